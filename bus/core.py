@@ -1,0 +1,433 @@
+"""The Bus: typed request/reply, streamed replies, events, errors and traces.
+
+One implementation over a tiny raw transport (publish, subscribe, inbox), so the
+NATS bus (:mod:`bus.nats_transport`) and the in-memory bus
+(:mod:`bus.memory`) behave the same down to headers and error codes.
+
+Wire protocol, in headers:
+- ``Content-Type``: ``application/json`` or ``application/msgpack``.
+- ``Kvbus-Request-Id``: set by the caller (or the server when missing).
+- Streamed replies: every chunk carries ``Kvbus-Stream: chunk`` and
+  ``Kvbus-Seq: n`` (0, 1, ...); the stream ends with an empty
+  ``Kvbus-Stream: end`` message, or with an error message.
+- Errors: empty body plus ``Kvbus-Error-Code`` / ``Kvbus-Error-Message``.
+- A caller that abandons a stream publishes a ``CancelEvent`` on
+  ``kvbus.v1.cancel``; the server cancels the handler task for that request id.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from bus import tracing
+from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
+from bus.errors import (
+    BusError,
+    Internal,
+    Timeout,
+    Unavailable,
+    error_from_headers,
+)
+from bus.subjects import CANCEL, Subject
+from schemas.common import CancelEvent
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "Kvbus-Request-Id"
+STREAM_HEADER = "Kvbus-Stream"
+SEQ_HEADER = "Kvbus-Seq"
+STATUS_HEADER = "Status"  # set by nats-server on "no responders"
+NO_RESPONDERS = "503"
+
+
+@dataclasses.dataclass(slots=True)
+class RawMsg:
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+    reply: str | None
+
+
+RawHandler = Callable[[RawMsg], Awaitable[None]]
+
+
+class RawSubscription(abc.ABC):
+    @abc.abstractmethod
+    async def unsubscribe(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """The least a message system must offer for :class:`Bus` to run on it."""
+
+    @abc.abstractmethod
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
+                      reply: str | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def subscribe(self, subject: str, handler: RawHandler, queue: str | None = None) -> RawSubscription:
+        """Deliver each message to ``handler``, one at a time per subscription."""
+
+    @abc.abstractmethod
+    def new_inbox(self) -> str: ...
+
+    async def flush(self) -> None:
+        return None
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class RequestContext:
+    """What a handler may want to know beyond the request body."""
+
+    request_id: str
+    subject: str
+    headers: dict[str, str]
+    received_at: float
+
+
+class Subscription:
+    """A bound subject; ``unsubscribe`` stops deliveries (in-flight handlers go on)."""
+
+    def __init__(self, raw: RawSubscription, subject: str):
+        self._raw = raw
+        self.subject = subject
+        self.is_active = True
+
+    async def unsubscribe(self) -> None:
+        if self.is_active:
+            self.is_active = False
+            await self._raw.unsubscribe()
+
+
+def _wants_context(handler: Callable) -> bool:
+    params = [
+        p for p in inspect.signature(handler).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(params) >= 2
+
+
+class Bus:
+    """Typed messaging over a :class:`Transport`.
+
+    ``request`` and ``stream`` call; ``serve`` binds a handler to a subject;
+    ``publish``/``subscribe`` carry events. Handlers take a request Struct (and
+    optionally a :class:`RequestContext`) and return the reply Struct, or, on a
+    streamed subject, are async generators of chunk Structs.
+    """
+
+    def __init__(self, transport: Transport, *, default_timeout: float = 10.0):
+        self.transport = transport
+        self.default_timeout = default_timeout
+        self._reply_prefix: str | None = None
+        self._reply_sub: RawSubscription | None = None
+        self._reply_lock = asyncio.Lock()
+        self._pending: dict[str, asyncio.Future | asyncio.Queue] = {}
+        self._subscriptions: list[Subscription] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._streams: dict[str, asyncio.Task] = {}
+        self._cancel_sub: Subscription | None = None
+        self._closed = False
+
+    # --- calling ----------------------------------------------------------------------
+    async def request(self, subject: Subject, message: Any, *, timeout: float | None = None,
+                      headers: dict[str, str] | None = None, **params: str) -> Any:
+        """Send ``message`` and return the typed reply; raises a BusError subclass."""
+        if subject.streamed:
+            raise TypeError(f"{subject.template} is streamed: use Bus.stream()")
+        name = subject.format(**params)
+        timeout = self.default_timeout if timeout is None else timeout
+        out_headers = self._headers(subject, headers)
+        token, inbox = await self._open_reply()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[token] = future
+        try:
+            with tracing.client_span(f"{subject.template} request", out_headers, **{"messaging.destination": name}):
+                await self.transport.publish(name, encode(message, subject.encoding), out_headers, reply=inbox)
+                try:
+                    raw = await asyncio.wait_for(future, timeout)
+                except asyncio.TimeoutError:
+                    raise Timeout(f"no reply on {name} within {timeout:g}s",
+                                  request_id=out_headers[REQUEST_ID_HEADER]) from None
+        finally:
+            self._pending.pop(token, None)
+        self._raise_for_reply(raw, name)
+        return decode(raw.data, subject.reply, Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding))
+
+    def stream(self, subject: Subject, message: Any, *, timeout: float | None = None,
+               headers: dict[str, str] | None = None, **params: str) -> "ReplyStream":
+        """Send ``message`` and iterate over the streamed chunks.
+
+        ``timeout`` bounds the wait for each next message (a stalled stream
+        raises Timeout). Use ``async with`` (or ``aclose()``) so that leaving
+        early cancels the work on the server.
+        """
+        if not subject.streamed:
+            raise TypeError(f"{subject.template} is not streamed: use Bus.request()")
+        return ReplyStream(self, subject, message, self.default_timeout if timeout is None else timeout,
+                           self._headers(subject, headers), subject.format(**params))
+
+    async def publish(self, subject: Subject, message: Any, *, headers: dict[str, str] | None = None,
+                      **params: str) -> None:
+        """Fire-and-forget event."""
+        out_headers = self._headers(subject, headers)
+        tracing.inject(out_headers)
+        await self.transport.publish(subject.format(**params), encode(message, subject.encoding), out_headers)
+
+    # --- serving ----------------------------------------------------------------------
+    async def serve(self, subject: Subject, handler: Callable, *, queue: str | None | bool = True,
+                    max_concurrency: int = 1024, **params: str) -> Subscription:
+        """Bind ``handler`` to ``subject``.
+
+        Each message runs in its own task (at most ``max_concurrency`` at once),
+        so a slow handler never holds up the subscription. ``queue=True`` uses
+        the subject's queue group, ``None``/``False`` none, a string that group.
+        """
+        if subject.reply is None:
+            raise TypeError(f"{subject.template} is an event subject: use Bus.subscribe()")
+        name = subject.format(**params) if params or subject.fields else subject.template
+        group = subject.queue if queue is True else (queue or None)
+        wants_ctx = _wants_context(handler)
+        slots = asyncio.Semaphore(max_concurrency)
+        if subject.streamed:
+            await self._listen_for_cancels()
+
+        async def on_message(raw: RawMsg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(self._handle(subject, handler, wants_ctx, raw))
+            self._inflight.add(task)
+            task.add_done_callback(lambda t: (self._inflight.discard(t), slots.release()))
+
+        sub = Subscription(await self.transport.subscribe(name, on_message, group), name)
+        self._subscriptions.append(sub)
+        return sub
+
+    async def subscribe(self, subject: Subject, handler: Callable[[Any], Awaitable[None]], *,
+                        queue: str | None = None, **params: str) -> Subscription:
+        """Receive events in order; a failing handler is logged, never fatal."""
+        name = subject.format(**params) if params else subject.wildcard()
+
+        async def on_message(raw: RawMsg) -> None:
+            try:
+                enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding)
+                event = decode(raw.data, subject.request, enc)
+                with tracing.server_span(f"{subject.template} event", raw.headers):
+                    await handler(event)
+            except Exception:
+                log.exception("event handler for %s failed", raw.subject)
+
+        sub = Subscription(await self.transport.subscribe(name, on_message, queue), name)
+        self._subscriptions.append(sub)
+        return sub
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking messages, let in-flight handlers finish, then close."""
+        for sub in self._subscriptions:
+            await sub.unsubscribe()
+        if self._inflight:
+            done, pending = await asyncio.wait(set(self._inflight), timeout=timeout)
+            for task in pending:
+                task.cancel()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending.values():
+            if isinstance(fut, asyncio.Future) and not fut.done():
+                fut.set_exception(Unavailable("bus closed"))
+        await self.transport.close()
+
+    # --- internals --------------------------------------------------------------------
+    def _headers(self, subject: Subject, extra: dict[str, str] | None) -> dict[str, str]:
+        headers = {CONTENT_TYPE_HEADER: subject.encoding.value}
+        if extra:
+            headers.update(extra)
+        headers.setdefault(REQUEST_ID_HEADER, uuid.uuid4().hex)
+        return headers
+
+    async def _open_reply(self) -> tuple[str, str]:
+        """A token and its inbox on the one wildcard reply subscription of this bus."""
+        if self._reply_prefix is None:
+            async with self._reply_lock:
+                if self._reply_prefix is None:
+                    prefix = self.transport.new_inbox()
+                    self._reply_sub = await self.transport.subscribe(prefix + ".*", self._on_reply)
+                    self._reply_prefix = prefix
+        token = uuid.uuid4().hex[:16]
+        return token, f"{self._reply_prefix}.{token}"
+
+    async def _on_reply(self, raw: RawMsg) -> None:
+        token = raw.subject.rsplit(".", 1)[-1]
+        waiter = self._pending.get(token)
+        if waiter is None:
+            return  # late reply after a timeout, or a stream already closed
+        if isinstance(waiter, asyncio.Queue):
+            waiter.put_nowait(raw)
+        elif not waiter.done():
+            waiter.set_result(raw)
+
+    @staticmethod
+    def _raise_for_reply(raw: RawMsg, name: str) -> None:
+        error = error_from_headers(raw.headers)
+        if error is not None:
+            raise error
+        if _h(raw, STATUS_HEADER) == NO_RESPONDERS:
+            raise Unavailable(f"no service is listening on {name}")
+
+    async def _listen_for_cancels(self) -> None:
+        if self._cancel_sub is None:
+            async def on_cancel(event: CancelEvent) -> None:
+                task = self._streams.get(event.request_id)
+                if task is not None:
+                    task.cancel()
+
+            self._cancel_sub = await self.subscribe(CANCEL, on_cancel)
+
+    async def _reply(self, raw: RawMsg, data: bytes, headers: dict[str, str]) -> None:
+        if raw.reply:
+            await self.transport.publish(raw.reply, data, headers)
+
+    async def _handle(self, subject: Subject, handler: Callable, wants_ctx: bool, raw: RawMsg) -> None:
+        in_headers = raw.headers or {}
+        request_id = in_headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        base = {REQUEST_ID_HEADER: request_id}
+        with tracing.server_span(subject.template, in_headers, **{"kvbus.request_id": request_id}) as span:
+            try:
+                enc = Encoding.from_header(in_headers.get(CONTENT_TYPE_HEADER), subject.encoding)
+                base[CONTENT_TYPE_HEADER] = enc.value
+                message = decode(raw.data, subject.request, enc)
+                args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
+                    if wants_ctx else (message,)
+                if subject.streamed:
+                    await self._handle_stream(handler, args, raw, enc, base, request_id)
+                else:
+                    reply = await handler(*args)
+                    await self._reply(raw, encode(reply, enc), base)
+            except asyncio.CancelledError:
+                # The caller cancelled its stream, or the service is shutting down.
+                span.set_attribute("kvbus.cancelled", True)
+                if request_id not in self._streams and not self._closed:
+                    raise
+            except BusError as exc:
+                tracing.mark_error(span, exc.code.value, exc.message)
+                await self._reply(raw, b"", {**base, **exc.to_headers()})
+            except Exception:
+                log.exception("handler for %s failed (request id %s)", raw.subject, request_id)
+                error = Internal(f"internal error handling {subject.template} (request id {request_id})")
+                tracing.mark_error(span, error.code.value, error.message)
+                await self._reply(raw, b"", {**base, **error.to_headers()})
+            finally:
+                self._streams.pop(request_id, None)
+
+    async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
+                             base: dict[str, str], request_id: str) -> None:
+        self._streams[request_id] = asyncio.current_task()
+        seq = 0
+        agen = handler(*args)
+        try:
+            async for chunk in agen:
+                await self._reply(raw, encode(chunk, enc), {**base, STREAM_HEADER: "chunk", SEQ_HEADER: str(seq)})
+                seq += 1
+        finally:
+            await agen.aclose()
+        await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
+
+
+class ReplyStream:
+    """Async iterator over one streamed reply; also an async context manager."""
+
+    def __init__(self, bus: Bus, subject: Subject, message: Any, timeout: float,
+                 headers: dict[str, str], name: str):
+        self._bus = bus
+        self._subject = subject
+        self._message = message
+        self._timeout = timeout
+        self._headers = headers
+        self._name = name
+        self._queue: asyncio.Queue[RawMsg] = asyncio.Queue()
+        self._token: str | None = None
+        self._next_seq = 0
+        self._is_done = False
+        self.request_id = headers[REQUEST_ID_HEADER]
+
+    async def _start(self) -> None:
+        token, inbox = await self._bus._open_reply()
+        self._token = token
+        self._bus._pending[token] = self._queue
+        with tracing.client_span(f"{self._subject.template} stream", self._headers,
+                                 **{"messaging.destination": self._name}):
+            await self._bus.transport.publish(
+                self._name, encode(self._message, self._subject.encoding), self._headers, reply=inbox)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._is_done:
+            raise StopAsyncIteration
+        if self._token is None:
+            await self._start()
+        try:
+            raw = await asyncio.wait_for(self._queue.get(), self._timeout)
+        except asyncio.TimeoutError:
+            await self.aclose()
+            raise Timeout(f"stream on {self._name} stalled: nothing for {self._timeout:g}s",
+                          request_id=self.request_id) from None
+        try:
+            Bus._raise_for_reply(raw, self._name)
+        except BusError:
+            self._finish()
+            raise
+        kind = _h(raw, STREAM_HEADER)
+        seq = int(_h(raw, SEQ_HEADER) or -1)
+        if seq != self._next_seq:
+            await self.aclose()
+            raise Internal(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
+                           request_id=self.request_id)
+        if kind == "end":
+            self._finish()
+            raise StopAsyncIteration
+        self._next_seq += 1
+        enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), self._subject.encoding)
+        return decode(raw.data, self._subject.reply, enc)
+
+    def _finish(self) -> None:
+        self._is_done = True
+        if self._token is not None:
+            self._bus._pending.pop(self._token, None)
+
+    async def aclose(self) -> None:
+        """Stop listening; if the stream had not ended, ask the server to cancel it."""
+        was_open = not self._is_done and self._token is not None
+        self._finish()
+        if was_open and not self._bus._closed:
+            try:
+                await self._bus.publish(CANCEL, CancelEvent(request_id=self.request_id))
+            except Exception:  # best effort: the server's own timeouts still apply
+                log.debug("could not publish cancel for %s", self.request_id, exc_info=True)
+
+    async def __aenter__(self) -> "ReplyStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+def _h(raw: RawMsg, name: str) -> str | None:
+    return raw.headers.get(name) if raw.headers else None

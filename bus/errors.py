@@ -1,0 +1,103 @@
+"""The closed error taxonomy, carried in message headers.
+
+A reply that failed has an empty body and the headers ``Kvbus-Error-Code`` and
+``Kvbus-Error-Message`` (plus the NATS micro ``Nats-Service-Error*`` pair so
+generic NATS tooling shows it). The caller raises the matching exception.
+"""
+
+from __future__ import annotations
+
+import enum
+
+ERROR_CODE_HEADER = "Kvbus-Error-Code"
+ERROR_MESSAGE_HEADER = "Kvbus-Error-Message"
+MICRO_ERROR_HEADER = "Nats-Service-Error"
+MICRO_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+
+
+class ErrorCode(str, enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    OVERLOADED = "overloaded"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+# HTTP-like numbers for the NATS micro header and for the gateway's status codes.
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class BusError(Exception):
+    """Base of every error that crosses the wire."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str = "", *, request_id: str | None = None):
+        super().__init__(message or self.code.value)
+        self.message = message or self.code.value
+        self.request_id = request_id
+
+    def to_headers(self) -> dict[str, str]:
+        message = self.message.replace("\r", " ").replace("\n", " ")[:1024]
+        return {
+            ERROR_CODE_HEADER: self.code.value,
+            ERROR_MESSAGE_HEADER: message,
+            MICRO_ERROR_HEADER: message,
+            MICRO_ERROR_CODE_HEADER: str(HTTP_STATUS[self.code]),
+        }
+
+
+class InvalidArgument(BusError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class NotFound(BusError):
+    code = ErrorCode.NOT_FOUND
+
+
+class Overloaded(BusError):
+    code = ErrorCode.OVERLOADED
+
+
+class Cancelled(BusError):
+    code = ErrorCode.CANCELLED
+
+
+class Timeout(BusError, TimeoutError):
+    code = ErrorCode.TIMEOUT
+
+
+class Unavailable(BusError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class Internal(BusError):
+    code = ErrorCode.INTERNAL
+
+
+_BY_CODE: dict[str, type[BusError]] = {
+    cls.code.value: cls
+    for cls in (InvalidArgument, NotFound, Overloaded, Cancelled, Timeout, Unavailable, Internal)
+}
+
+
+def error_from_headers(headers: dict[str, str] | None) -> BusError | None:
+    """The error a reply carries, or None for a normal reply."""
+    if not headers:
+        return None
+    code = headers.get(ERROR_CODE_HEADER)
+    if code is None:
+        return None
+    cls = _BY_CODE.get(code, Internal)
+    message = headers.get(ERROR_MESSAGE_HEADER, code)
+    return cls(message, request_id=headers.get("Kvbus-Request-Id"))

@@ -1,0 +1,161 @@
+"""Every subject kvbus uses, with its request type, reply type and queue group.
+
+This table is the only place a subject string is written. Subjects are
+versioned (``kvbus.v1....``); per-worker subjects carry the worker id as a
+``{worker_id}`` field that :meth:`Subject.format` fills in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+
+from bus.codec import Encoding
+from schemas.common import (
+    CancelEvent,
+    EchoChunk,
+    EchoReply,
+    EchoRequest,
+    HealthReply,
+    HealthRequest,
+)
+from schemas.tokenizer import (
+    ChatTemplateReply,
+    ChatTemplateRequest,
+    DecodeReply,
+    DecodeRequest,
+    EncodeReply,
+    EncodeRequest,
+    TokenizerInfoReply,
+    TokenizerInfoRequest,
+)
+
+PREFIX = "kvbus.v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """One subject: how it is named, what it carries and who shares its load."""
+
+    template: str
+    request: type
+    reply: type | None
+    """Reply type; for a streamed subject the type of each chunk; None for events."""
+    description: str
+    queue: str | None = None
+    """Queue group: replicas of a service split the load. None: every subscriber gets it."""
+    encoding: Encoding = Encoding.JSON
+    streamed: bool = False
+    public: bool = False
+    """Public subjects speak JSON and get an exported JSON Schema."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.template) if f)
+
+    def format(self, **params: str) -> str:
+        if not self.fields:
+            return self.template
+        missing = set(self.fields) - params.keys()
+        if missing:
+            raise ValueError(f"subject {self.template} needs {sorted(missing)}")
+        for name, value in params.items():
+            if not value or any(c in value for c in ". *>\t\r\n"):
+                raise ValueError(f"bad subject token {name}={value!r}")
+        return self.template.format(**params)
+
+    def wildcard(self) -> str:
+        """The subject with every field replaced by ``*`` (for subscribing to all workers)."""
+        return self.template.format(**{f: "*" for f in self.fields})
+
+
+# --- every service --------------------------------------------------------------------
+HEALTH = Subject(
+    f"{PREFIX}.health.{{role}}",
+    HealthRequest,
+    HealthReply,
+    "Readiness of any replica of a role (every replica answers; request takes the first).",
+    public=True,
+)
+WORKER_HEALTH = Subject(
+    f"{PREFIX}.health.{{role}}.{{worker_id}}",
+    HealthRequest,
+    HealthReply,
+    "Readiness of one worker.",
+    public=True,
+)
+CANCEL = Subject(
+    f"{PREFIX}.cancel",
+    CancelEvent,
+    None,
+    "A caller abandoned a streamed request: every server drops its work for it.",
+)
+DEBUG_ECHO = Subject(
+    f"{PREFIX}.debug.echo",
+    EchoRequest,
+    EchoReply,
+    "Echo the payload (tests and bus benchmarks).",
+    queue="debug",
+)
+DEBUG_STREAM = Subject(
+    f"{PREFIX}.debug.stream",
+    EchoRequest,
+    EchoChunk,
+    "Stream the payload back `count` times (tests and bus benchmarks).",
+    queue="debug",
+    streamed=True,
+)
+
+# --- tokenizer ------------------------------------------------------------------------
+TOKENIZER_ENCODE = Subject(
+    f"{PREFIX}.tokenizer.encode",
+    EncodeRequest,
+    EncodeReply,
+    "Text to token ids.",
+    queue="tokenizer",
+    public=True,
+)
+TOKENIZER_DECODE = Subject(
+    f"{PREFIX}.tokenizer.decode",
+    DecodeRequest,
+    DecodeReply,
+    "Token ids to text.",
+    queue="tokenizer",
+    public=True,
+)
+TOKENIZER_CHAT = Subject(
+    f"{PREFIX}.tokenizer.chat",
+    ChatTemplateRequest,
+    ChatTemplateReply,
+    "Apply the model's chat template to OpenAI-style messages; returns prompt text and ids.",
+    queue="tokenizer",
+    public=True,
+)
+TOKENIZER_INFO = Subject(
+    f"{PREFIX}.tokenizer.info",
+    TokenizerInfoRequest,
+    TokenizerInfoReply,
+    "Vocabulary facts: size, bos/eos/pad ids, context length.",
+    queue="tokenizer",
+    public=True,
+)
+
+ALL_SUBJECTS: tuple[Subject, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Subject))
+
+
+def subject_for_name(name: str) -> tuple[Subject, dict[str, str]]:
+    """The table entry a concrete subject name belongs to, with its field values."""
+    tokens = name.split(".")
+    for subject in ALL_SUBJECTS:
+        parts = subject.template.split(".")
+        if len(parts) != len(tokens):
+            continue
+        params: dict[str, str] = {}
+        for part, token in zip(parts, tokens):
+            if part.startswith("{") and part.endswith("}"):
+                params[part[1:-1]] = token
+            elif part != token:
+                break
+        else:
+            return subject, params
+    raise ValueError(f"no subject named {name!r}")

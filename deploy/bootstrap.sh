@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Set up kvbus on a fresh Debian machine (Python 3.11, root or sudo) and run it.
+#
+#   bash deploy/bootstrap.sh up   [kvbus up options]   install, then bring the whole system up
+#   bash deploy/bootstrap.sh test [pytest options]     install with test tools, then run the tests
+#
+# Installs what is missing and nothing twice: Debian packages (python3-venv,
+# nats-server; for tests also gcc and libnats-dev for the C client test), a
+# virtual environment in .venv with torch pinned to 2.13.0 (set KVBUS_TORCH_SPEC
+# to install another build, e.g. a CUDA one), and kvbus itself (editable).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in
+  up|test) shift ;;
+  *) echo "usage: bash deploy/bootstrap.sh up|test [args...]" >&2; exit 2 ;;
+esac
+
+export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+PY=${KVBUS_PYTHON:-$(command -v python3.11 || command -v python3)}
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+say() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+apt_updated=""
+apt_install() {  # apt_install PACKAGE... : install the Debian packages not yet present
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  say "installing Debian packages: ${missing[*]}"
+  if [ -z "$apt_updated" ]; then $SUDO apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+debs=()
+command -v nats-server >/dev/null || debs+=(nats-server)
+"$PY" -c 'import ensurepip, venv' 2>/dev/null || debs+=(python3-venv)
+if [ "$mode" = test ]; then
+  command -v gcc >/dev/null || debs+=(gcc)
+  [ -f /usr/include/nats/nats.h ] || debs+=(libnats-dev)
+fi
+[ ${#debs[@]} -eq 0 ] || apt_install "${debs[@]}"
+
+[ -x .venv/bin/python ] || { say "creating .venv with $PY"; "$PY" -m venv .venv; }
+extras=""; [ "$mode" = test ] && extras="[test]"
+stamp=".venv/.kvbus-installed$extras"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16) ${KVBUS_TORCH_SPEC:-torch==2.13.0}"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing Python packages into .venv (first time: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # shellcheck disable=SC2086  # the spec may carry pip options (an index URL)
+  .venv/bin/python -m pip install -q ${KVBUS_TORCH_SPEC:-torch==2.13.0}
+  .venv/bin/python -m pip install -q -e ".$extras"
+  echo "$want" > "$stamp"
+fi
+
+if [ "$mode" = up ]; then
+  exec .venv/bin/kvbus up "$@"
+fi
+# The default model is converted once (~30 s) before the tests time anything.
+.venv/bin/kvbus model prepare
+export TRITON_INTERPRET=1
+set +e
+.venv/bin/python -m pytest "$@"
+code=$?
+[ $code -eq 5 ] && { say "pytest collected no tests"; exit 1; }
+exit $code

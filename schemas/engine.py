@@ -1,0 +1,104 @@
+"""Messages at the engine boundary: how to sample, and what comes back.
+
+These travel from the gateway through the router to prefill/decode workers,
+so they are msgspec Structs; the in-process engine uses them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+MAX_LOGPROBS = 20
+_INT64_MAX = 2**63 - 1
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range (maps to ``invalid_argument``)."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request decoding controls (OpenAI / vLLM meanings)."""
+
+    max_tokens: int | None = None
+    """Most tokens to generate; None: until the context length."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 is off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 is off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p times the top probability; 0 is off."""
+    seed: int | None = None
+    """Makes sampling reproducible token by token for this request."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the text is cut before the first match."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (kept in the token ids, not in the text)."""
+    ignore_eos: bool = False
+    """Keep going past the model's end-of-sequence tokens."""
+    logprobs: int | None = None
+    """Return the chosen token's logprob and the top-n alternatives (0..20)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.seed is None or 0 <= self.seed <= _INT64_MAX,
+            f"seed must be in [0, 2**63), got {self.seed}",
+        )
+        _check(all(self.stop), "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidSamplingParams(message)
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Logprob of one generated token and of the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine step produced for one request (a streaming delta).
+
+    ``new_token_ids``/``new_text`` hold only what is new since the previous
+    output of this request; the final output has ``finished`` set.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,1 @@
+"""kvbus services: one actor per role, plus the engine package they share."""

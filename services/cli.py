@@ -1,0 +1,164 @@
+"""The ``kvbus`` command: serve one role, bring the system up, prepare models, export schemas."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from bus.nats_transport import BusConfig
+from services import config as cfg
+
+log = logging.getLogger("kvbus")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr,
+    )
+
+
+def bus_config_from(args: argparse.Namespace) -> BusConfig:
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in BusConfig.__dataclass_fields__.values()}}
+    if "nats_url" not in given and "KVBUS_NATS_URL" not in os.environ and os.environ.get("NATS_URL"):
+        given["nats_url"] = os.environ["NATS_URL"]
+    return cfg.build(BusConfig, given)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from services.registry import ROLES, actor_class
+    from services.runner import run_actor
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: kvbus serve ROLE [options]   (roles: {', '.join(sorted(ROLES))}; "
+              "kvbus serve ROLE --help for its options)")
+        return 0 if argv else 2
+    role, rest = argv[0], argv[1:]
+    try:
+        actor_cls = actor_class(role)
+    except ValueError as exc:
+        print(f"kvbus serve: {exc}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"kvbus serve {role}", description=actor_cls.__doc__)
+    parser.add_argument("--worker-id", default=os.environ.get("KVBUS_WORKER_ID"),
+                        help="stable id of this replica (default: random) [env KVBUS_WORKER_ID]")
+    parser.add_argument("--log-level", default=os.environ.get("KVBUS_LOG_LEVEL", "INFO"))
+    cfg.add_arguments(parser, BusConfig)
+    cfg.add_arguments(parser, actor_cls.config_class)
+    args = parser.parse_args(rest)
+    setup_logging(args.log_level)
+    try:
+        bus_config = bus_config_from(args)
+        role_fields = set(actor_cls.config_class.__dataclass_fields__)
+        config = cfg.build(actor_cls.config_class, {k: v for k, v in vars(args).items() if k in role_fields})
+    except cfg.ConfigError as exc:
+        print(f"kvbus serve {role}: {exc}", file=sys.stderr)
+        return 2
+    actor = actor_cls(config, worker_id=args.worker_id)
+    try:
+        asyncio.run(run_actor(actor, bus_config))
+    except Exception as exc:  # startup failures: say what happened, not a traceback
+        from bus.errors import BusError
+        from services.models import ModelError
+
+        if isinstance(exc, (BusError, ModelError, cfg.ConfigError)):
+            print(f"kvbus serve {role}: {exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+def cmd_schemas(argv: list[str]) -> int:
+    from schemas.export import export_schemas
+
+    parser = argparse.ArgumentParser(prog="kvbus schemas", description="JSON Schema of every public subject")
+    sub = parser.add_subparsers(dest="action", required=True)
+    exp = sub.add_parser("export", help="write one JSON Schema file per public subject")
+    exp.add_argument("dir")
+    args = parser.parse_args(argv)
+    paths = export_schemas(args.dir)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def cmd_call(argv: list[str]) -> int:
+    """Send JSON to a subject and print the reply (or every chunk of a stream)."""
+    from bus.subjects import ALL_SUBJECTS
+
+    parser = argparse.ArgumentParser(prog="kvbus call", description=cmd_call.__doc__)
+    parser.add_argument("subject", help="e.g. kvbus.v1.tokenizer.encode")
+    parser.add_argument("json", nargs="?", default="{}", help="request body as JSON")
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", BusConfig.nats_url))
+    args = parser.parse_args(argv)
+    from bus.subjects import subject_for_name
+
+    try:
+        subject, params = subject_for_name(args.subject)
+    except ValueError as exc:
+        names = ", ".join(s.template for s in ALL_SUBJECTS if s.public)
+        print(f"kvbus call: {exc}; public subjects: {names}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        import msgspec
+
+        from bus.codec import Encoding, decode
+        from bus.errors import BusError
+        from bus.nats_transport import connect
+
+        try:
+            request = decode(args.json.encode(), subject.request, Encoding.JSON)
+        except BusError as exc:
+            print(f"kvbus call: {exc.message}", file=sys.stderr)
+            return 2
+        bus = await connect(BusConfig(nats_url=args.nats_url))
+        try:
+            if subject.streamed:
+                async with bus.stream(subject, request, timeout=args.timeout, **params) as chunks:
+                    async for chunk in chunks:
+                        print(msgspec.json.encode(chunk).decode(), flush=True)
+            else:
+                reply = await bus.request(subject, request, timeout=args.timeout, **params)
+                print(msgspec.json.encode(reply).decode())
+        except BusError as exc:
+            print(json.dumps({"error": {"code": exc.code.value, "message": exc.message}}), file=sys.stderr)
+            return 1
+        finally:
+            await bus.close()
+        return 0
+
+    return asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    commands = {
+        "serve": cmd_serve,
+        "up": lambda a: __import__("services.up", fromlist=["up_main"]).up_main(a),
+        "model": lambda a: __import__("services.models", fromlist=["model_main"]).model_main(a),
+        "schemas": cmd_schemas,
+        "call": cmd_call,
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(
+            "usage: kvbus COMMAND [options]\n\n"
+            "  up        start nats-server and every service locally, serve a first request\n"
+            "  serve     run one service role (kvbus serve tokenizer --help)\n"
+            "  model     prepare or inspect the model (kvbus model prepare | info)\n"
+            "  call      send JSON to a subject and print the reply\n"
+            "  schemas   export JSON Schemas of the public subjects\n",
+            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
+        )
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Service roles by name, imported lazily so a CPU test never imports CUDA code."""
+
+from __future__ import annotations
+
+import importlib
+
+ROLES: dict[str, str] = {
+    "tokenizer": "services.tokenizer:TokenizerActor",
+}
+
+
+def actor_class(role: str) -> type:
+    try:
+        target = ROLES[role]
+    except KeyError:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(sorted(ROLES))}") from None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

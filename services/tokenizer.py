@@ -1,0 +1,245 @@
+"""Tokenizer service: encode, decode, chat templates and vocabulary facts.
+
+Handlers only enqueue; one batch loop drains everything pending and runs the
+fast tokenizer's batch API once per kind of work (in a worker thread, so the
+event loop keeps taking messages meanwhile). N replicas share the load through
+the ``tokenizer`` queue group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bus.errors import InvalidArgument, Overloaded, Unavailable
+from bus.subjects import TOKENIZER_CHAT, TOKENIZER_DECODE, TOKENIZER_ENCODE, TOKENIZER_INFO
+from schemas.tokenizer import (
+    ChatTemplateReply,
+    ChatTemplateRequest,
+    DecodeReply,
+    DecodeRequest,
+    EncodeReply,
+    EncodeRequest,
+    TokenizerInfoReply,
+    TokenizerInfoRequest,
+)
+from services.actor import Actor
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    model: str | None = None
+    """Local Hugging Face model folder; default: the prepared SmolLM2-135M-Instruct."""
+    max_batch_size: int = 256
+    """Most requests tokenized in one batch call."""
+    max_input_chars: int = 1_000_000
+    """Longest text (or rendered chat) accepted; longer gets invalid_argument."""
+    max_queue: int = 10_000
+    """Most requests waiting for the batch loop; past it callers get overloaded."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_input_chars < 1 or self.max_queue < 1:
+            raise ValueError("max_batch_size, max_input_chars and max_queue must be >= 1")
+
+
+class TokenizerCore:
+    """The model's fast tokenizer with batch methods; no bus, no asyncio."""
+
+    def __init__(self, model_dir: Path):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError(f"{model_dir}: kvbus needs a fast (tokenizers) tokenizer")
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.vocab_size = len(self.tokenizer)
+        eos = getattr(config, "eos_token_id", None)
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+            eos_ids.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = [int(i) for i in eos_ids]
+        self.bos_token_id = self.tokenizer.bos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.name = self.model_dir.name
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not self.tokenizer.chat_template:
+            raise InvalidArgument(f"model {self.name} has no chat template; send a plain prompt instead")
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def chat_batch(self, requests: list[ChatTemplateRequest]) -> list[tuple[str, list[int]]]:
+        prompts = [
+            self.render_chat([{"role": m.role, "content": m.content} for m in r.messages], r.add_generation_prompt)
+            for r in requests
+        ]
+        # The template already wrote the special tokens (e.g. <|im_start|>).
+        return list(zip(prompts, self.encode_batch(prompts, add_special_tokens=False)))
+
+    def info(self) -> TokenizerInfoReply:
+        return TokenizerInfoReply(
+            model=self.name, vocab_size=self.vocab_size, bos_token_id=self.bos_token_id,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            context_length=self.context_length, has_chat_template=bool(self.tokenizer.chat_template),
+        )
+
+
+@dataclasses.dataclass
+class _Job:
+    kind: str
+    request: Any
+    future: asyncio.Future
+
+
+class TokenizerActor(Actor):
+    role = "tokenizer"
+    config_class = TokenizerConfig
+
+    def __init__(self, config: TokenizerConfig, *, worker_id: str | None = None, core: TokenizerCore | None = None):
+        super().__init__(config, worker_id=worker_id)
+        self.core = core
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._loop_task: asyncio.Task | None = None
+        self.num_batches = 0
+
+    async def setup(self) -> None:
+        if self.core is None:
+            from services.models import resolve_model
+
+            model_dir = await asyncio.to_thread(resolve_model, self.config.model)
+            self.core = await asyncio.to_thread(TokenizerCore, model_dir)
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="tokenizer-batch-loop")
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if not job.future.done():
+                job.future.set_exception(Unavailable("tokenizer is shutting down"))
+
+    def routes(self):
+        return [
+            (TOKENIZER_ENCODE, self.handle_encode, {}),
+            (TOKENIZER_DECODE, self.handle_decode, {}),
+            (TOKENIZER_CHAT, self.handle_chat, {}),
+            (TOKENIZER_INFO, self.handle_info, {}),
+        ]
+
+    def health_detail(self) -> dict[str, str]:
+        return {"model": self.core.name if self.core else "", "queued": str(self._queue.qsize()),
+                "batches": str(self.num_batches)}
+
+    # --- handlers: validate, enqueue, await ---------------------------------------------
+    async def handle_encode(self, req: EncodeRequest) -> EncodeReply:
+        self._check_length(len(req.text))
+        return EncodeReply(ids=await self._submit("encode", req))
+
+    async def handle_decode(self, req: DecodeRequest) -> DecodeReply:
+        bad = [i for i in req.ids if i < 0 or i >= self.core.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids out of range [0, {self.core.vocab_size}): {bad[:8]}")
+        return DecodeReply(text=await self._submit("decode", req))
+
+    async def handle_chat(self, req: ChatTemplateRequest) -> ChatTemplateReply:
+        if not req.messages:
+            raise InvalidArgument("messages must not be empty")
+        self._check_length(sum(len(m.content) for m in req.messages))
+        prompt, ids = await self._submit("chat", req)
+        return ChatTemplateReply(prompt=prompt, ids=ids)
+
+    async def handle_info(self, req: TokenizerInfoRequest) -> TokenizerInfoReply:
+        return self.core.info()
+
+    def _check_length(self, num_chars: int) -> None:
+        if num_chars > self.config.max_input_chars:
+            raise InvalidArgument(f"input of {num_chars} characters exceeds max_input_chars={self.config.max_input_chars}")
+
+    async def _submit(self, kind: str, request: Any) -> Any:
+        if self._queue.qsize() >= self.config.max_queue:
+            raise Overloaded(f"tokenizer queue is full ({self.config.max_queue} waiting)")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Job(kind, request, future))
+        return await future
+
+    # --- the batch loop -----------------------------------------------------------------
+    async def _batch_loop(self) -> None:
+        while True:
+            jobs = [await self._queue.get()]
+            while len(jobs) < self.config.max_batch_size and not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            jobs = [j for j in jobs if not j.future.done()]  # callers that gave up
+            if not jobs:
+                continue
+            try:
+                results = await asyncio.to_thread(self._run_batch, jobs)
+            except Exception as exc:  # fail the whole batch but keep the loop alive
+                log.exception("tokenizer batch of %d failed", len(jobs))
+                results = [exc] * len(jobs)
+            self.num_batches += 1
+            for job, result in zip(jobs, results):
+                if job.future.done():
+                    continue
+                if isinstance(result, Exception):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
+
+    def _run_batch(self, jobs: list[_Job]) -> list[Any]:
+        """Group jobs by kind and options, one batch call per group; results in job order."""
+        results: list[Any] = [None] * len(jobs)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, job in enumerate(jobs):
+            option = {"encode": lambda r: r.add_special_tokens, "decode": lambda r: r.skip_special_tokens,
+                      "chat": lambda r: None}[job.kind](job.request)
+            groups[(job.kind, option)].append(i)
+        for (kind, option), idx in groups.items():
+            reqs = [jobs[i].request for i in idx]
+            try:
+                if kind == "encode":
+                    out = self.core.encode_batch([r.text for r in reqs], option)
+                elif kind == "decode":
+                    out = self.core.decode_batch([r.ids for r in reqs], option)
+                else:
+                    out = self._chat_each(reqs)
+            except Exception as exc:
+                out = [exc] * len(reqs)
+            for i, value in zip(idx, out):
+                results[i] = value
+        return results
+
+    def _chat_each(self, reqs: list[ChatTemplateRequest]) -> list[Any]:
+        # A bad conversation (e.g. a role the template rejects) fails alone, not its batch.
+        try:
+            return self.core.chat_batch(reqs)
+        except Exception:
+            out: list[Any] = []
+            for r in reqs:
+                try:
+                    out.extend(self.core.chat_batch([r]))
+                except InvalidArgument as exc:
+                    out.append(exc)
+                except Exception as exc:
+                    out.append(InvalidArgument(f"chat template failed: {exc}"))
+            return out

@@ -1,0 +1,32 @@
+"""The deployment files name real roles and real settings (Docker can't run here; this still can)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from services.registry import ROLES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compose_services_run_known_roles():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"nats", "jaeger"} <= services.keys()
+    kvbus = {name: s for name, s in services.items() if s.get("image", "").startswith("kvbus")}
+    assert kvbus, "no kvbus service in docker-compose.yml"
+    for name, service in kvbus.items():
+        command = service["command"]
+        assert command[0] == "serve" and command[1] in ROLES, (name, command)
+        assert service["environment"]["KVBUS_NATS_URL"].startswith("nats://")
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    block = lines[lines.index("```bash") + 1:]
+    block = block[:block.index("```")]
+    assert [line.split("#")[0].strip() for line in block] == [
+        "bash deploy/bootstrap.sh up", "bash deploy/bootstrap.sh test"]
+    assert "bootstrap.sh test" in (ROOT / ".ci/run").read_text()

@@ -1,0 +1,56 @@
+"""Golden bytes: a change here breaks every peer already deployed; add fields last, with defaults."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bus.codec import Encoding, decode, encode
+from bus.errors import InvalidArgument
+from schemas.common import CancelEvent, EchoChunk, HealthReply
+from schemas.tokenizer import ChatMessage, ChatTemplateRequest, EncodeReply, EncodeRequest
+
+GOLDEN = [
+    (EncodeRequest(text="hi"), b'{"text":"hi","add_special_tokens":true}',
+     "82a474657874a26869b26164645f7370656369616c5f746f6b656e73c3"),
+    (EncodeReply(ids=[1, 2, 3]), b'{"ids":[1,2,3]}', "81a369647393010203"),
+    (ChatTemplateRequest(messages=[ChatMessage(role="user", content="x")]),
+     b'{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":true}',
+     "82a86d657373616765739182a4726f6c65a475736572a7636f6e74656e74a178b56164645f67656e65726174696f6e5f70726f6d7074c3"),
+    (CancelEvent(request_id="r1"), b'["r1"]', "91a27231"),
+    (EchoChunk(index=3, data=b"ab"), b'[3,"YWI="]', "9203c4026162"),
+    (HealthReply(role="t", worker_id="w", ready=True, version="0.1.0", uptime_s=1.5),
+     b'{"role":"t","worker_id":"w","ready":true,"version":"0.1.0","uptime_s":1.5,"num_inflight":0,"detail":{}}',
+     "87a4726f6c65a174a9776f726b65725f6964a177a57265616479c3a776657273696f6ea5302e312e30a8757074696d655f73cb3ff8"
+     "000000000000ac6e756d5f696e666c6967687400a664657461696c80"),
+]
+
+
+@pytest.mark.parametrize("message,json_bytes,msgpack_hex", GOLDEN, ids=lambda v: type(v).__name__)
+def test_golden_bytes(message, json_bytes, msgpack_hex):
+    assert encode(message, Encoding.JSON) == json_bytes
+    assert encode(message, Encoding.MSGPACK).hex() == msgpack_hex
+    assert decode(json_bytes, type(message), Encoding.JSON) == message
+    assert decode(bytes.fromhex(msgpack_hex), type(message), Encoding.MSGPACK) == message
+
+
+def test_old_peer_without_new_fields_still_decodes():
+    # A peer from before `num_inflight`/`detail` existed.
+    old = b'{"role":"t","worker_id":"w","ready":true,"version":"0.1.0","uptime_s":1.5}'
+    reply = decode(old, HealthReply, Encoding.JSON)
+    assert reply.num_inflight == 0 and reply.detail == {}
+
+
+def test_unknown_fields_from_newer_peers_are_ignored():
+    assert decode(b'{"text":"a","future_field":1}', EncodeRequest, Encoding.JSON) == EncodeRequest(text="a")
+
+
+@pytest.mark.parametrize("data", [b"", b"[", b'{"text": 3}', b'{"add_special_tokens": true}', b"null"])
+def test_malformed_is_invalid_argument(data):
+    with pytest.raises(InvalidArgument, match="EncodeRequest"):
+        decode(data, EncodeRequest, Encoding.JSON)
+
+
+def test_structs_are_frozen():
+    with pytest.raises(AttributeError):
+        EncodeRequest(text="a").text = "b"
