@@ -135,8 +135,10 @@ class Bus:
         self._pending: dict[str, asyncio.Future | asyncio.Queue] = {}
         self._subscriptions: list[Subscription] = []
         self._inflight: set[asyncio.Task] = set()
-        self._streams: dict[str, asyncio.Task] = {}
+        self._tasks_by_request: dict[str, asyncio.Task] = {}
+        self._cancelled: set[str] = set()
         self._cancel_sub: Subscription | None = None
+        self._background: set[asyncio.Task] = set()
         self._closed = False
 
     # --- calling ----------------------------------------------------------------------
@@ -157,8 +159,12 @@ class Bus:
                 try:
                     raw = await asyncio.wait_for(future, timeout)
                 except asyncio.TimeoutError:
+                    self._send_cancel(out_headers[REQUEST_ID_HEADER])
                     raise Timeout(f"no reply on {name} within {timeout:g}s",
                                   request_id=out_headers[REQUEST_ID_HEADER]) from None
+                except asyncio.CancelledError:
+                    self._send_cancel(out_headers[REQUEST_ID_HEADER])
+                    raise
         finally:
             self._pending.pop(token, None)
         self._raise_for_reply(raw, name)
@@ -199,8 +205,7 @@ class Bus:
         group = subject.queue if queue is True else (queue or None)
         wants_ctx = _wants_context(handler)
         slots = asyncio.Semaphore(max_concurrency)
-        if subject.streamed:
-            await self._listen_for_cancels()
+        await self._listen_for_cancels()
 
         async def on_message(raw: RawMsg) -> None:
             await slots.acquire()
@@ -293,11 +298,27 @@ class Bus:
     async def _listen_for_cancels(self) -> None:
         if self._cancel_sub is None:
             async def on_cancel(event: CancelEvent) -> None:
-                task = self._streams.get(event.request_id)
+                task = self._tasks_by_request.get(event.request_id)
                 if task is not None:
+                    self._cancelled.add(event.request_id)
                     task.cancel()
 
             self._cancel_sub = await self.subscribe(CANCEL, on_cancel)
+
+    def _send_cancel(self, request_id: str) -> None:
+        """Tell servers to drop ``request_id`` (best effort, never blocks the caller)."""
+        if self._closed:
+            return
+
+        async def send() -> None:
+            try:
+                await self.publish(CANCEL, CancelEvent(request_id=request_id))
+            except Exception:
+                log.debug("could not publish cancel for %s", request_id, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _reply(self, raw: RawMsg, data: bytes, headers: dict[str, str]) -> None:
         if raw.reply:
@@ -314,15 +335,16 @@ class Bus:
                 message = decode(raw.data, subject.request, enc)
                 args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
                     if wants_ctx else (message,)
+                self._tasks_by_request[request_id] = asyncio.current_task()
                 if subject.streamed:
-                    await self._handle_stream(handler, args, raw, enc, base, request_id)
+                    await self._handle_stream(handler, args, raw, enc, base)
                 else:
                     reply = await handler(*args)
                     await self._reply(raw, encode(reply, enc), base)
             except asyncio.CancelledError:
-                # The caller cancelled its stream, or the service is shutting down.
+                # The caller gave up (CancelEvent), or the service is shutting down.
                 span.set_attribute("kvbus.cancelled", True)
-                if request_id not in self._streams and not self._closed:
+                if request_id not in self._cancelled and not self._closed:
                     raise
             except BusError as exc:
                 tracing.mark_error(span, exc.code.value, exc.message)
@@ -333,11 +355,11 @@ class Bus:
                 tracing.mark_error(span, error.code.value, error.message)
                 await self._reply(raw, b"", {**base, **error.to_headers()})
             finally:
-                self._streams.pop(request_id, None)
+                self._tasks_by_request.pop(request_id, None)
+                self._cancelled.discard(request_id)
 
     async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
-                             base: dict[str, str], request_id: str) -> None:
-        self._streams[request_id] = asyncio.current_task()
+                             base: dict[str, str]) -> None:
         seq = 0
         agen = handler(*args)
         try:
@@ -416,11 +438,8 @@ class ReplyStream:
         """Stop listening; if the stream had not ended, ask the server to cancel it."""
         was_open = not self._is_done and self._token is not None
         self._finish()
-        if was_open and not self._bus._closed:
-            try:
-                await self._bus.publish(CANCEL, CancelEvent(request_id=self.request_id))
-            except Exception:  # best effort: the server's own timeouts still apply
-                log.debug("could not publish cancel for %s", self.request_id, exc_info=True)
+        if was_open:
+            self._bus._send_cancel(self.request_id)
 
     async def __aenter__(self) -> "ReplyStream":
         return self

@@ -19,6 +19,17 @@ from schemas.common import (
     HealthReply,
     HealthRequest,
 )
+from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
+from schemas.transfer import KVChunkEvent
+from schemas.worker import (
+    PrefillReply,
+    PrefillRequest,
+    RouteReply,
+    RouteRequest,
+    TokenChunk,
+    WorkerGenerateRequest,
+    WorkerHeartbeatEvent,
+)
 from schemas.tokenizer import (
     ChatTemplateReply,
     ChatTemplateRequest,
@@ -138,6 +149,64 @@ TOKENIZER_INFO = Subject(
     "Vocabulary facts: size, bos/eos/pad ids, context length.",
     queue="tokenizer",
     public=True,
+)
+
+# --- generation (gateway: the public entry point) ---------------------------------------
+GENERATE = Subject(
+    f"{PREFIX}.generate",
+    GenerateRequest,
+    GenerateChunk,
+    "Generate from a prompt or chat messages; streams chunks (text delta, token ids, finish reason, usage).",
+    queue="gateway",
+    streamed=True,
+    public=True,
+)
+GENERATE_ONCE = Subject(
+    f"{PREFIX}.generate.once",
+    GenerateRequest,
+    GenerateReply,
+    "Generate and answer once with the whole result.",
+    queue="gateway",
+    public=True,
+)
+
+# --- router and workers (internal, MessagePack) ------------------------------------------
+ROUTE = Subject(
+    f"{PREFIX}.router.route",
+    RouteRequest,
+    RouteReply,
+    "Pick the decode (and prefill) worker for a request.",
+    queue="router",
+    encoding=Encoding.MSGPACK,
+)
+WORKER_HEARTBEAT = Subject(
+    f"{PREFIX}.workers.heartbeat",
+    WorkerHeartbeatEvent,
+    None,
+    "Every engine worker's liveness and load, every heartbeat interval.",
+    encoding=Encoding.MSGPACK,
+)
+WORKER_GENERATE = Subject(
+    f"{PREFIX}.worker.{{worker_id}}.generate",
+    WorkerGenerateRequest,
+    TokenChunk,
+    "Generate on this decode or aggregated worker; streams token chunks.",
+    encoding=Encoding.MSGPACK,
+    streamed=True,
+)
+PREFILL = Subject(
+    f"{PREFIX}.prefill.{{worker_id}}.prefill",
+    PrefillRequest,
+    PrefillReply,
+    "Compute a prompt's KV pages and first token on this prefill worker and push the pages to the decoder.",
+    encoding=Encoding.MSGPACK,
+)
+KV_CHUNK = Subject(
+    f"{PREFIX}.kv.{{worker_id}}.{{transfer_id}}",
+    KVChunkEvent,
+    None,
+    "KV pages in chunks to a receiving worker (nats transfer backend).",
+    encoding=Encoding.MSGPACK,
 )
 
 ALL_SUBJECTS: tuple[Subject, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Subject))

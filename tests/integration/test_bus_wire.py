@@ -318,3 +318,29 @@ async def test_trace_context_survives_two_hops(make_bus):
         span = by_id[span.parent.span_id]
         chain.append(span.name)
     assert chain[-1] == "client-root" and DEBUG_ECHO.template in chain
+
+
+async def test_caller_giving_up_on_a_request_cancels_the_handler(make_bus):
+    server, client = await make_bus(), await make_bus()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(req: EchoRequest) -> EchoReply:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return EchoReply()
+
+    await server.serve(DEBUG_ECHO, slow)
+    await settle(server)
+    call = asyncio.create_task(client.request(DEBUG_ECHO, EchoRequest()))
+    await asyncio.wait_for(started.wait(), 5)
+    call.cancel()
+    await asyncio.wait_for(cancelled.wait(), 5)
+    # a timeout cancels the server's work the same way
+    started.clear(), cancelled.clear()
+    with pytest.raises(errors.Timeout):
+        await client.request(DEBUG_ECHO, EchoRequest(), timeout=0.3)
+    await asyncio.wait_for(cancelled.wait(), 5)

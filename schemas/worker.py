@@ -1,0 +1,87 @@
+"""Messages between gateway, router and engine workers (internal: MessagePack)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.engine import FinishReason, SamplingParams, TokenLogprob, Usage
+from schemas.transfer import TransferDescriptor, TransferTarget
+
+WorkerRole = Literal["prefill", "decode", "worker"]
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_pages: int = 0
+    num_total_pages: int = 0
+    num_queued_prefill_tokens: int = 0
+
+
+class WorkerHeartbeatEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Published by every engine worker every ``heartbeat_interval`` seconds."""
+
+    worker_id: str
+    role: WorkerRole
+    host_id: str
+    """Same value on the same machine: peers with equal host ids may use shared memory."""
+    load: WorkerLoad
+    model: str = ""
+    page_size: int = 16
+    transfer_backends: list[str] = []
+    interval_s: float = 1.0
+    is_draining: bool = False
+
+
+class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    session_id: str | None = None
+    exclude_worker_ids: list[str] = []
+    """Workers that already failed this request (retries)."""
+
+
+class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
+    decode_worker_id: str
+    """Streams the tokens; also prefills when ``prefill_worker_id`` is None."""
+    prefill_worker_id: str | None = None
+    policy: str = ""
+
+
+class WorkerGenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Gateway -> decode (or aggregated) worker; the reply is a stream of TokenChunk."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    prefill_worker_id: str | None = None
+    stream_interval: int = 1
+
+
+class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+    timings: dict[str, float] | None = None
+    """Seconds spent per phase (queue, prefill, transfer, first decode step): first chunk only."""
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode -> prefill worker: compute the prompt's KV and first token, push the pages to ``transfer``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    transfer: TransferTarget
+
+
+class PrefillReply(msgspec.Struct, frozen=True, kw_only=True):
+    first_token_id: int
+    kv: TransferDescriptor
+    num_cached_tokens: int = 0
+    first_logprob: TokenLogprob | None = None
+    timings: dict[str, float] = {}
