@@ -6,6 +6,9 @@ import importlib
 
 ROLES: dict[str, str] = {
     "tokenizer": "services.tokenizer:TokenizerActor",
+    "gateway": "services.gateway.actor:GatewayActor",
+    "router": "services.router.actor:RouterActor",
+    "worker": "services.workers.actor:WorkerActor",
 }
 
 

@@ -1,0 +1,77 @@
+"""Router service: picks the decode (and prefill) worker for each request.
+
+Serves ``kvbus.v1.router.route`` and listens to every worker's heartbeat on
+``kvbus.v1.workers.heartbeat`` (no queue group: every router replica sees every
+worker). The decision itself lives in :mod:`services.router.core`; routing does
+no I/O, so a handler runs start to finish without yielding and needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from bus.subjects import ROUTE, WORKER_HEARTBEAT
+from schemas.worker import RouteReply, RouteRequest, WorkerHeartbeatEvent
+from services.actor import Actor
+from services.router.config import RouterConfig
+from services.router.core import Router
+from services.router.workers import Clock
+
+
+class RouterActor(Actor):
+    """Routes requests to engine workers found by their heartbeats."""
+
+    role = "router"
+    config_class = RouterConfig
+
+    def __init__(self, config: RouterConfig, *, worker_id: str | None = None,
+                 clock: Clock = time.monotonic, rng: random.Random | None = None):
+        super().__init__(config, worker_id=worker_id)
+        self.router = Router(config, clock=clock, rng=rng)
+        self._heartbeats = None
+        self._sweeper: asyncio.Task | None = None
+        self.num_routed = 0
+
+    @property
+    def sweep_interval(self) -> float:
+        return min(1.0, self.config.worker_ttl / 2)
+
+    async def start(self, bus) -> None:
+        # Listen before serving, so the first routes already see the workers that beat meanwhile.
+        self._heartbeats = await bus.subscribe(WORKER_HEARTBEAT, self.handle_heartbeat)
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="router-sweep")
+        await super().start(bus)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        if self._heartbeats is not None:
+            await self._heartbeats.unsubscribe()
+            self._heartbeats = None
+
+    def routes(self):
+        return [(ROUTE, self.handle_route, {})]
+
+    async def handle_route(self, req: RouteRequest) -> RouteReply:
+        reply = self.router.route(req)
+        self.num_routed += 1
+        return reply
+
+    async def handle_heartbeat(self, event: WorkerHeartbeatEvent) -> None:
+        self.router.observe(event)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval)
+            self.router.workers.expire()
+
+    def health_detail(self) -> dict[str, str]:
+        counts = self.router.workers.count_by_role()
+        return {"policy": self.router.policy.name, "disaggregation": self.config.disaggregation,
+                "routed": str(self.num_routed),
+                **{f"workers_{role}": str(counts.get(role, 0)) for role in ("prefill", "decode", "worker")}}
