@@ -81,6 +81,11 @@ class Transport(abc.ABC):
     async def flush(self) -> None:
         return None
 
+    @property
+    def max_payload(self) -> int | None:
+        """Largest message body the server accepts (None: no limit)."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None: ...
 
@@ -219,8 +224,11 @@ class Bus:
 
     async def subscribe(self, subject: Subject, handler: Callable[[Any], Awaitable[None]], *,
                         queue: str | None = None, **params: str) -> Subscription:
-        """Receive events in order; a failing handler is logged, never fatal."""
-        name = subject.format(**params) if params else subject.wildcard()
+        """Receive events in order; a failing handler is logged, never fatal.
+
+        Fields missing from ``params`` are wildcards (``*``).
+        """
+        name = subject.format(**params) if params.keys() >= set(subject.fields) else subject.wildcard(**params)
 
         async def on_message(raw: RawMsg) -> None:
             try:
@@ -234,6 +242,15 @@ class Bus:
         sub = Subscription(await self.transport.subscribe(name, on_message, queue), name)
         self._subscriptions.append(sub)
         return sub
+
+    async def flush(self) -> None:
+        """Wait until the server has taken everything published so far (backpressure for bulk sends)."""
+        await self.transport.flush()
+
+    @property
+    def max_payload(self) -> int | None:
+        """Largest message body the server accepts (None: no limit)."""
+        return self.transport.max_payload
 
     @property
     def num_inflight(self) -> int:

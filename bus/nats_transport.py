@@ -84,6 +84,10 @@ class NatsTransport(Transport):
     async def flush(self) -> None:
         await self.nc.flush()
 
+    @property
+    def max_payload(self) -> int | None:
+        return self.nc.max_payload
+
     async def close(self) -> None:
         if not self.nc.is_closed:
             try:

@@ -75,9 +75,13 @@ class Subject:
                 raise ValueError(f"bad subject token {name}={value!r}")
         return self.template.format(**params)
 
-    def wildcard(self) -> str:
-        """The subject with every field replaced by ``*`` (for subscribing to all workers)."""
-        return self.template.format(**{f: "*" for f in self.fields})
+    def wildcard(self, **fixed: str) -> str:
+        """The subject with every field not in ``fixed`` replaced by ``*``.
+
+        ``KV_CHUNK.wildcard(worker_id="decode-0")`` is every transfer to one worker.
+        """
+        self.format(**{f: fixed.get(f, "x") for f in self.fields})  # validates the fixed values
+        return self.template.format(**{f: fixed.get(f, "*") for f in self.fields})
 
 
 # --- every service --------------------------------------------------------------------
