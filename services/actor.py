@@ -44,6 +44,9 @@ class Actor:
             await bus.serve(subject, handler, **params)
         self.is_ready = True
 
+    async def drain(self, timeout: float) -> None:
+        """Finish work that did not arrive through the bus (e.g. HTTP); called before the bus drains."""
+
     async def stop(self) -> None:
         """Release what ``setup`` took; called after the bus drained in-flight work."""
         self.is_ready = False

@@ -55,6 +55,7 @@ async def run_actor(actor: Actor, bus_config: BusConfig, *, drain_timeout: float
         log.info("%s %s draining (%d in flight)", actor.role, actor.worker_id, bus.num_inflight)
         actor.is_ready = False
         await announcement.withdraw()
+        await actor.drain(drain_timeout)
         await bus.drain(timeout=drain_timeout)
     finally:
         await actor.stop()

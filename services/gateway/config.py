@@ -1,0 +1,46 @@
+"""The gateway's configuration: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str | None = None
+    """Model name to advertise (/v1/models) and accept in requests; None: the tokenizer's model name."""
+    enable_http: bool = True
+    """Serve the OpenAI-compatible HTTP API beside the NATS subjects."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP API listens on (0.0.0.0 for every interface)."""
+    http_port: int = 8000
+    """HTTP port; 0 picks a free one (logged, and in the health detail)."""
+    generate_timeout: float = 600.0
+    """Most seconds one generation may take end to end; past it the caller gets timeout (HTTP 504)."""
+    stream_stall_timeout: float = 120.0
+    """Most seconds to wait for the next chunk from a worker, the first included (queueing + prefill)."""
+    call_timeout: float = 10.0
+    """Seconds to wait for the tokenizer and the router to answer one call."""
+    max_concurrent_requests: int = 256
+    """Generations in flight at once, NATS and HTTP together; past it callers get overloaded (HTTP 429)."""
+    max_model_len: int | None = None
+    """Longest prompt plus output accepted; None: the tokenizer's context length."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Largest HTTP request body; larger gets HTTP 413."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"GatewayConfig.http_port must be in [0, 65535], got {self.http_port}")
+        for name in ("generate_timeout", "stream_stall_timeout", "call_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(f"GatewayConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"GatewayConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"GatewayConfig.max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("GatewayConfig.model_name must not be blank")

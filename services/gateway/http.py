@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP API (FastAPI), served by uvicorn inside the gateway's event loop.
+
+Bodies are parsed with msgspec (not FastAPI's pydantic models), so a malformed
+request gets an OpenAI-style 400 with msgspec's message instead of a 422.
+A streamed request is primed before the response starts: errors before the
+first token (bad prompt, overloaded, no worker) keep their status code; after
+it they arrive as an SSE ``error`` event. A client that goes away, before or
+during the stream, closes the pipeline's generator, which cancels the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from bus import tracing
+from bus.errors import HTTP_STATUS, BusError, Internal
+from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
+from schemas.engine import Usage
+from services.actor import VERSION
+from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.openai_mapping import (
+    BodyTooLarge,
+    chat_logprobs,
+    chat_to_generate,
+    completion_logprobs,
+    completion_to_generate,
+    decode_body,
+    error_response,
+    logprob_token_ids,
+    usage_info,
+)
+from services.gateway.openai_schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from services.gateway.pipeline import GenerationPipeline
+
+if TYPE_CHECKING:
+    from services.gateway.actor import GatewayActor
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response started."""
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+def _error(exc: BaseException) -> Response:
+    status, body = error_response(exc)
+    return _json(body, status)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the body generator however the response ends (Starlette leaves a disconnected one open)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the request body has {declared} bytes; the limit is {limit}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLarge(f"the request body exceeds {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+# --- the two generation endpoints differ only in their bodies ---------------------------------
+
+
+class _Completions:
+    endpoint, id_prefix = "completions", "cmpl-"
+    request_type, to_generate = CompletionRequest, staticmethod(completion_to_generate)
+
+    def __init__(self, pipeline: GenerationPipeline, request_id: str, model: str, wants_logprobs: bool):
+        self.pipeline, self.id, self.model, self.wants_logprobs = pipeline, request_id, model, wants_logprobs
+        self.created = int(time.time())
+        self.offset = 0
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, object="text_completion", created=self.created, model=self.model,
+                                  choices=choices, usage=usage_info(usage) if usage else None)
+
+    async def _logprobs(self, logprobs) -> Any:
+        if not self.wants_logprobs or logprobs is None:
+            return None
+        texts = await self.pipeline.token_texts(logprob_token_ids(logprobs))
+        return completion_logprobs(logprobs, texts, self.offset)
+
+    async def whole(self, reply: GenerateReply) -> CompletionResponse:
+        choice = CompletionChoice(text=reply.text, logprobs=await self._logprobs(reply.logprobs),
+                                  finish_reason=reply.finish_reason)
+        return self._response([choice], reply.usage)
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    async def piece(self, chunk: GenerateChunk) -> bytes | None:
+        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+            return None
+        choice = CompletionChoice(text=chunk.text, logprobs=await self._logprobs(chunk.logprobs),
+                                  finish_reason=chunk.finish_reason)
+        self.offset += len(chunk.text)
+        return _sse(self._response([choice]))
+
+    def usage_event(self, usage: Usage) -> bytes:
+        return _sse(self._response([], usage))
+
+
+class _ChatCompletions(_Completions):
+    endpoint, id_prefix = "chat_completions", "chatcmpl-"
+    request_type, to_generate = ChatCompletionRequest, staticmethod(chat_to_generate)
+
+    async def _logprobs(self, logprobs) -> Any:
+        if not self.wants_logprobs or logprobs is None:
+            return None
+        return chat_logprobs(logprobs, await self.pipeline.token_texts(logprob_token_ids(logprobs)))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        return _sse(ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                        model=self.model, choices=choices, usage=usage_info(usage) if usage else None))
+
+    async def whole(self, reply: GenerateReply) -> ChatCompletionResponse:
+        choice = ChatChoice(message=ChatMessageOut(content=reply.text), logprobs=await self._logprobs(reply.logprobs),
+                            finish_reason=reply.finish_reason)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=usage_info(reply.usage))
+
+    def opening(self) -> list[bytes]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    async def piece(self, chunk: GenerateChunk) -> bytes | None:
+        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+            return None
+        delta = ChatDelta(content=chunk.text or None)
+        return self._chunk([ChatChunkChoice(delta=delta, logprobs=await self._logprobs(chunk.logprobs),
+                                            finish_reason=chunk.finish_reason)])
+
+    def usage_event(self, usage: Usage) -> bytes:
+        return self._chunk([], usage)
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+def create_app(actor: GatewayActor) -> FastAPI:
+    pipeline: GenerationPipeline = actor.pipeline
+    metrics = actor.metrics
+    app = FastAPI(title="kvbus gateway", version=VERSION, docs_url=None, redoc_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        body = ErrorResponse(error=ErrorDetail(message=f"{request.method} {request.url.path}: {exc.detail}",
+                                               type="invalid_request_error", code=code))
+        return _json(body, exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return _error(exc)
+
+    async def generate(request: Request, kind: type[_Completions]) -> Response:
+        try:
+            body = await _read_body(request, actor.config.max_request_bytes)
+            openai_req = decode_body(body, kind.request_type)
+            gen_req = kind.to_generate(openai_req)
+        except BusError as exc:  # refused before the pipeline: counted here
+            metrics.observe_request(kind.endpoint, 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[exc.code],
+                                    exc.code.value)
+            return _error(exc)
+        request_id = kind.id_prefix + uuid.uuid4().hex
+        # One span from the HTTP request to the first token (the streamed rest is the worker's span);
+        # a W3C traceparent header from the client makes it part of the client's trace.
+        with tracing.server_span(f"POST {request.url.path}", dict(request.headers),
+                                 **{"kvbus.request_id": request_id}) as span:
+            try:
+                return await respond(request, kind, openai_req, gen_req, request_id)
+            except BusError as exc:
+                tracing.mark_error(span, exc.code.value, exc.message)
+                return _error(exc)
+            except ClientGone:
+                return Response(status_code=499)
+
+    async def respond(request: Request, kind: type[_Completions], openai_req: Any, gen_req: GenerateRequest,
+                      request_id: str) -> Response:
+        wants_logprobs = gen_req.sampling.logprobs is not None
+        if not openai_req.stream:
+            reply = await _until_disconnected(
+                request, pipeline.generate_once(gen_req, request_id=request_id, endpoint=kind.endpoint))
+            fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs)
+            return _json(await fmt.whole(reply), headers={"X-Request-Id": request_id})
+        chunks = pipeline.generate(gen_req, request_id=request_id, endpoint=kind.endpoint)
+        try:
+            first = await _until_disconnected(request, anext(chunks, None))
+        except BaseException:
+            await chunks.aclose()
+            raise
+        if first is None:
+            raise Internal(f"the worker's stream for {request_id} ended before any chunk")
+        fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs)
+        include_usage = bool(openai_req.stream_options and openai_req.stream_options.include_usage)
+        return _ClosingStreamingResponse(_sse_events(fmt, first, chunks, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, _Completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, _ChatCompletions)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            card = ModelCard(id=await pipeline.model_name(), created=started,
+                             max_model_len=await pipeline.context_length() or None)
+        except BusError as exc:
+            return _error(exc)
+        return _json(ModelList(data=[card]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        tokenizer, router = await asyncio.gather(pipeline.health_of("tokenizer"), pipeline.health_of("router"))
+        ok = tokenizer is not None and router is not None and actor.is_ready
+        # Engine workers the router knows (from its health detail): information, not a condition of health.
+        workers = sum(int(v) for k, v in router.detail.items() if k.startswith("workers_") and v.isdigit()) \
+            if router is not None else None
+        return _json({"status": "ok" if ok else "unavailable", "ready": actor.is_ready,
+                      "tokenizer": tokenizer is not None, "router": router is not None, "workers": workers},
+                     200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _sse_events(fmt: _Completions, first: GenerateChunk, chunks: AsyncIterator[GenerateChunk],
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    usage = None
+    try:
+        for event in fmt.opening():
+            yield event
+        chunk: GenerateChunk | None = first
+        while chunk is not None:
+            usage = chunk.usage or usage
+            event = await fmt.piece(chunk)
+            if event is not None:
+                yield event
+            chunk = await anext(chunks, None)
+        if include_usage and usage is not None:
+            yield fmt.usage_event(usage)
+    except Exception as exc:  # after the 200 went out, errors travel as an SSE event
+        if not isinstance(exc, BusError):
+            log.exception("stream %s failed", fmt.id)
+        yield _sse(error_response(exc)[1])
+    finally:
+        await chunks.aclose()
+    yield DONE

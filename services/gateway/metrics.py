@@ -1,0 +1,55 @@
+"""The gateway's Prometheus metrics, on a registry of its own (tests run several gateways)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from schemas.engine import Usage
+
+# Seconds; fine at the low end where CPU decode steps and cached TTFTs live.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    """Counters and histograms; ``render()`` gives the Prometheus text format."""
+
+    def __init__(self, num_inflight: Callable[[], int] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvbus_requests", "Finished requests by endpoint and HTTP-like status.",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("kvbus_request_errors", "Failed requests by error code.", ["code"], registry=r)
+        self.ttft = Histogram("kvbus_time_to_first_token_seconds", "Request received to first token sent.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvbus_inter_token_latency_seconds",
+                             "Gap between streamed chunks divided by the tokens the later one carries.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvbus_e2e_request_latency_seconds", "Request received to last token.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvbus_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_prompt_tokens = Counter("kvbus_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache.", registry=r)
+        self.generation_tokens = Counter("kvbus_generation_tokens", "Generated tokens streamed to callers.",
+                                         registry=r)
+        self.inflight = Gauge("kvbus_requests_running", "Generations in flight in this gateway.", registry=r)
+        if num_inflight is not None:
+            self.inflight.set_function(num_inflight)
+
+    def observe_request(self, endpoint: str, status: int, error_code: str | None = None) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if error_code is not None:
+            self.errors.labels(code=error_code).inc()
+
+    def observe_usage(self, usage: Usage) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,237 @@
+"""OpenAI bodies <-> kvbus messages, and bus errors -> OpenAI error bodies. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from bus.errors import HTTP_STATUS, BusError, ErrorCode, InvalidArgument
+from schemas.engine import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams, TokenLogprob, Usage
+from schemas.generate import GenerateRequest
+from schemas.tokenizer import ChatMessage
+from services.gateway.openai_schemas import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    ErrorDetail,
+    ErrorResponse,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from services.gateway.pipeline import PromptTooLong, UnknownModel
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions (chat has none: until the context is full)."""
+
+
+class BadParam(InvalidArgument):
+    """A request field kvbus refuses; ``param`` names it in the OpenAI error body."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class BodyTooLarge(InvalidArgument):
+    """The HTTP body is larger than max_request_bytes (HTTP 413)."""
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode_body(body: bytes, type_: type) -> Any:
+    """Parse a JSON body into ``type_``; malformed JSON or a wrong field type raises BadParam."""
+    decoder = _decoders.get(type_) or _decoders.setdefault(type_, msgspec.json.Decoder(type_))
+    if not body.strip():
+        raise BadParam(None, "the request body is empty; send a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        path = re.search(r"at `\$\.([A-Za-z_]+)", str(exc))
+        raise BadParam(path.group(1) if path else None, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadParam(None, f"malformed JSON body: {exc}") from None
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def completion_to_generate(req: CompletionRequest) -> GenerateRequest:
+    _refuse_unsupported(req)
+    if req.echo:
+        raise BadParam("echo", "echo is not supported")
+    if req.suffix:
+        raise BadParam("suffix", "suffix is not supported")
+    if req.best_of not in (None, 1):
+        raise BadParam("best_of", f"best_of must be 1: kvbus returns one choice per request (got {req.best_of})")
+    prompt, prompt_token_ids = _completion_prompt(req.prompt)
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    return GenerateRequest(prompt=prompt, prompt_token_ids=prompt_token_ids, model=req.model,
+                           sampling=_sampling(req, max_tokens, req.logprobs), session_id=req.session_id,
+                           stream_interval=req.stream_interval)
+
+
+def chat_to_generate(req: ChatCompletionRequest) -> GenerateRequest:
+    _refuse_unsupported(req)
+    if req.tools:
+        raise BadParam("tools", "tools are not supported")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise BadParam("response_format", f"response_format {req.response_format.type!r} is not supported; "
+                                          "only 'text'")
+    if not req.messages:
+        raise BadParam("messages", "messages must be a non-empty list")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise BadParam("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    messages = [ChatMessage(role=m.role, content=_message_text(m.content, i)) for i, m in enumerate(req.messages)]
+    return GenerateRequest(messages=messages, model=req.model, sampling=_sampling(req, max_tokens, logprobs),
+                           session_id=req.session_id, stream_interval=req.stream_interval)
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.n != 1:
+        raise BadParam("n", f"n must be 1: kvbus returns one choice per request (got n={req.n})")
+    if req.presence_penalty or req.frequency_penalty:
+        raise BadParam("presence_penalty" if req.presence_penalty else "frequency_penalty",
+                       "presence_penalty and frequency_penalty are not supported (send 0)")
+    if req.logit_bias:
+        raise BadParam("logit_bias", "logit_bias is not supported")
+    if req.stream_options is not None and not req.stream:
+        raise BadParam("stream_options", "stream_options is only allowed when stream is true")
+    if req.stream_interval < 1:
+        raise BadParam("stream_interval", f"stream_interval must be >= 1, got {req.stream_interval}")
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+              logprobs: int | None) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        )
+    except InvalidSamplingParams as exc:
+        message = str(exc)  # "<field> must ...": the field is the param
+        raise BadParam(message.split(" ", 1)[0] if " must " in message else None, message) from None
+
+
+def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """(text, token ids): one of them set, from the four shapes OpenAI allows."""
+    if prompt is None:
+        raise BadParam("prompt", "prompt is required")
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise BadParam("prompt", "prompt must not be empty")
+    if all(_is_int(t) for t in prompt):
+        return None, list(prompt)
+    if not all(isinstance(t, (str, list)) for t in prompt):
+        raise BadParam("prompt", "prompt must be a string, a list of token ids, or a list holding one of those")
+    if len(prompt) > 1:
+        raise BadParam("prompt", f"batched prompts are not supported (got {len(prompt)}); send one per request")
+    only = prompt[0]
+    if isinstance(only, str):
+        return only, None
+    if isinstance(only, list) and only and all(_is_int(t) for t in only):
+        return None, list(only)
+    raise BadParam("prompt", "prompt must be a string, a list of token ids, or a list holding one of those")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadParam(f"messages[{index}].content",
+                           f"content part of type {part.type!r} is not supported; only text parts")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                     total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], texts: dict[int, str], offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions shape; ``offset`` is where this piece starts in the completion text."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(offset)
+        tokens.append(texts[lp.token_id])
+        offset += len(texts[lp.token_id])
+    tops = [{texts[t]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} for lp in logprobs]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs],
+                              top_logprobs=tops, text_offset=offsets)
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], texts: dict[int, str]) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = texts[token_id]
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=texts[lp.token_id], logprob=lp.logprob, bytes=list(texts[lp.token_id].encode("utf-8")),
+                         top_logprobs=[top(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+        for lp in logprobs
+    ])
+
+
+def logprob_token_ids(logprobs: list[TokenLogprob]) -> list[int]:
+    """Every token id a logprobs list names (chosen and alternatives)."""
+    return [i for lp in logprobs for i in (lp.token_id, *lp.top_token_ids)]
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
+    """(HTTP status, OpenAI error body) for any exception; unknown ones become a bare 500."""
+    if not isinstance(exc, BusError):
+        return 500, ErrorResponse(error=ErrorDetail(message="internal server error", type="server_error",
+                                                    code=ErrorCode.INTERNAL.value))
+    status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[exc.code]
+    code, param = exc.code.value, getattr(exc, "param", None)
+    if isinstance(exc, PromptTooLong):
+        code = "context_length_exceeded"
+    elif isinstance(exc, UnknownModel):
+        code, param = "model_not_found", "model"
+    elif isinstance(exc, BodyTooLarge):
+        code = "request_too_large"
+    return status, ErrorResponse(error=ErrorDetail(message=exc.message, type=_ERROR_TYPES.get(status, "server_error"),
+                                                   param=param, code=code))

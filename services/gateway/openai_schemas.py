@@ -1,0 +1,202 @@
+"""OpenAI request and response bodies as msgspec Structs (the project's one schema library).
+
+Requests ignore fields they do not know (clients send many); fields the API
+defines but kvbus cannot honour are kept so the mapping can refuse them with a
+400 instead of silently ignoring them. Union types that msgspec cannot express
+(``prompt``: str | list[str] | list[int] | list[list[int]]) are loosened here
+and checked in :mod:`services.gateway.openai_mapping`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# --- requests -----------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (with vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM / SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    # kvbus extensions
+    session_id: str | None = None
+    """Conversation id: the router keeps a session on the worker that holds its cache."""
+    stream_interval: int = 1
+
+
+class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
+    prompt: str | list[Any] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
+    messages: list[ChatMessageIn] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    id: str
+    object: str  # "text_completion"; no default, or omit_defaults would leave it out
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    """Always on the whole response; on a stream only in the last chunk (stream_options.include_usage)."""
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(msgspec.Struct, frozen=True, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    id: str
+    object: str  # "chat.completion.chunk"; no default, or omit_defaults would leave it out
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "kvbus"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, frozen=True, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
+    error: ErrorDetail
