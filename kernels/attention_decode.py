@@ -86,6 +86,21 @@ def paged_decode_attention_ref(
     num_pages = -(-int(seq_lens.max()) // page_size)
     if num_pages > block_tables.shape[1]:
         raise ValueError(f"seq_lens need {num_pages} pages but block_tables has {block_tables.shape[1]}")
+    if num_seqs == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        # single fp32 stream (the engine's batch-1 decode): attend over strided views of the
+        # gathered pages; skipping head_major's copy saves ~1/3 of this call, same result.
+        seq_len = int(seq_lens[0])
+        page_ids = block_tables[0, :num_pages].long()
+        try:
+            k, v = k_cache.index_select(0, page_ids), v_cache.index_select(0, page_ids)
+        except IndexError:
+            raise ValueError(f"block_tables hold page ids outside [0, {k_cache.shape[0]})") from None
+        k = k.view(1, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)  # [1, Hkv, L, D]
+        v = v.view(1, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.view(1, num_q_heads, 1, head_dim), k, v, scale=scale, enable_gqa=True
+        )  # [1, Hq, 1, D]
+        return out.view(1, num_q_heads, head_dim)
     pages = block_tables[:, :num_pages]
     if num_seqs > 1:
         # padding entries may be anything: point them at page 0 (masked below)
@@ -116,6 +131,9 @@ def paged_decode_attention_ref(
     is_pad = torch.arange(max_len, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [B, L]
     scores.masked_fill_(is_pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # NOTE: padded slots hold whatever the pool had (never-written memory can be NaN) and
+    # 0 * NaN = NaN, so zero them in v (a private copy) rather than trust the zero probs.
+    v.masked_fill_(is_pad[:, None, :, None], 0.0)
     out = torch.matmul(probs, v)  # [B, Hkv, G, D]
     if is_fp8:
         out.mul_(per_head(v_scale))

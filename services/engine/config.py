@@ -1,0 +1,114 @@
+"""The engine's configuration: one frozen dataclass, checked on construction.
+
+Every field has a simple type and an attribute docstring, so the service CLI
+(``services.config.add_arguments``) and ``KVBUS_*`` environment variables are
+generated from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from services.config import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Local Hugging Face model folder; None serves the default SmolLM2-135M-Instruct."""
+
+    device: str = "cpu"
+    """Torch device: cpu (torch reference kernels) or cuda / cuda:N (Triton kernels)."""
+
+    dtype: str = "auto"
+    """Weights and activations: auto (the checkpoint's dtype), float32, bfloat16 or float16."""
+
+    kv_cache_dtype: str = "auto"
+    """KV cache element type: auto (= dtype), float32, bfloat16, float16 or fp8_e4m3."""
+
+    kv_fp8_scale: float = 1.0
+    """fp8_e4m3 KV caches only: per-tensor scale (stored = k / scale), same for every layer."""
+
+    kv_cache_memory: float | None = None
+    """KV pool size in GB; None sizes it from mem_fraction."""
+
+    mem_fraction: float | None = None
+    """Share of the memory free after loading weights given to the KV pool (CPU: MemAvailable); None: 0.25 on cpu, 0.85 on cuda."""
+
+    page_size: int = 16
+    """Tokens per KV page: the unit of allocation, prefix caching, tiering and transfer."""
+
+    max_model_len: int | None = None
+    """Longest prompt plus output; None: the model's limit."""
+
+    max_running_requests: int = 64
+    """Most requests admitted (holding KV pages) at once; the rest wait."""
+
+    max_prefill_tokens: int = 2048
+    """Most prompt tokens computed in one step, over all requests."""
+
+    chunked_prefill_size: int = 512
+    """Most prompt tokens of one request computed in one step; 0 computes a prompt in one step."""
+
+    enable_mixed_batches: bool = True
+    """Run decode tokens and prefill chunks in the same forward pass (else prefill steps pause decoding)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of earlier requests that share a prompt prefix."""
+
+    cache_salt: str = ""
+    """Salt of the chained page hashes (model / tenant namespace); peers sharing pages must agree."""
+
+    prepack_weights: bool = True
+    """CPU, float32/bfloat16: reorder projection weights for oneDNN once at load (faster decode; float32 differs from F.linear in the last bits)."""
+
+    num_threads: int = 0
+    """CPU threads for torch; 0 uses every core."""
+
+    seed: int = 0
+    """Seed of the RNG used by requests that bring no seed of their own."""
+
+    load_tokenizer: bool = True
+    """Load the model's tokenizer for text prompts, streamed text and stop strings."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ConfigError(f"EngineConfig.{field}: {why}, got {getattr(self, field)!r}")
+
+        if not (self.device == "cpu" or self.device.split(":")[0] == "cuda"):
+            bad("device", "must be cpu, cuda or cuda:N")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if not self.kv_fp8_scale > 0:
+            bad("kv_fp8_scale", "must be > 0")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            bad("kv_cache_memory", "must be > 0 GB")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
+            bad("mem_fraction", "must be in (0, 1]")
+        if not 1 <= self.page_size <= 1024:
+            bad("page_size", "must be in [1, 1024]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", "must be >= 2")
+        if self.max_running_requests < 1:
+            bad("max_running_requests", "must be >= 1")
+        if self.max_prefill_tokens < 1:
+            bad("max_prefill_tokens", "must be >= 1")
+        if self.chunked_prefill_size < 0:
+            bad("chunked_prefill_size", "must be >= 0 (0 = no chunking)")
+        if self.num_threads < 0:
+            bad("num_threads", "must be >= 0")
+
+    @property
+    def effective_mem_fraction(self) -> float:
+        if self.mem_fraction is not None:
+            return self.mem_fraction
+        return 0.25 if self.device == "cpu" else 0.85
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

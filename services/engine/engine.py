@@ -1,0 +1,388 @@
+"""The in-process engine: requests in, streamed tokens out, one batch per step.
+
+Sync use::
+
+    engine = LLMEngine(EngineConfig(model="/path/to/model"))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+Async use (the step runs in a worker thread, the event loop stays free)::
+
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8)): ...
+
+``add_request`` and ``abort`` only enqueue; ``step`` drains that mailbox
+first, so they are safe to call from another thread while a step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from kernels import gather_pages, scatter_pages
+from schemas.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+from services.config import ConfigError
+from services.engine.async_api import AsyncEngineMixin
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.kv_pool import KVPool
+from services.engine.linear import can_prepack, prepack_weights
+from services.engine.llama import LlamaModel
+from services.engine.model_config import ModelConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence
+from services.engine.tier_hooks import CacheTierHooks
+from services.engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine(AsyncEngineMixin):
+    def __init__(self, config: EngineConfig | None = None, *, tier_hooks: CacheTierHooks | None = None):
+        self.config = config = config or EngineConfig()
+        if config.device == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        from services.models import resolve_model
+
+        if config.model is not None and (Path(config.model).expanduser() / "config.json").is_file():
+            # Name the architectures we implement before the folder checks run.
+            ModelConfig.from_dir(Path(config.model).expanduser())
+        self.model_dir = resolve_model(config.model)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self.dtype = _TORCH_DTYPES.get(config.dtype) or _TORCH_DTYPES.get(mc.dtype or "", torch.float32)
+        if config.kv_cache_dtype == "fp8_e4m3":
+            kv_dtype = torch.float8_e4m3fn
+        else:
+            kv_dtype = _TORCH_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        weights = load_weights(self.model_dir, mc, self.dtype, config.device)
+        if config.prepack_weights and can_prepack(self.device, self.dtype):
+            prepack_weights(weights)
+        num_pages = KVPool.pages_for_budget(
+            mc, config.page_size, kv_dtype, self.device, config.kv_cache_memory, config.effective_mem_fraction
+        )
+        if num_pages < 2:
+            raise ConfigError(f"the KV budget holds {num_pages} pages of {config.page_size} tokens; raise kv_cache_memory")
+        self.kv_pool = KVPool(mc, num_pages, config.page_size, kv_dtype, self.device, config.kv_fp8_scale)
+        self.block_manager = BlockManager(
+            num_pages, config.page_size, salt=config.cache_salt,
+            enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
+            enable_mixed_batches=config.enable_mixed_batches,
+        )
+        self.model = LlamaModel(mc, weights, self.kv_pool, self.max_model_len)
+        self.runner = ModelRunner(self.model, config.page_size, self.device)
+        self.tokenizer = self._load_tokenizer() if config.load_tokenizer else None
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.stats = EngineStats()
+        self._mailbox: deque[tuple[str, object]] = deque()
+        self._seqs: dict[str, Sequence] = {}
+        self._live_ids: set[str] = set()
+        self._prefill_results: dict[str, PrefillResult] = {}
+        self._lock = threading.Lock()
+        self._init_async()
+        log.info(
+            "engine ready: %s %s on %s, %d KV pages x %d tokens (%.2f GB, %s)",
+            mc.architecture, self.dtype, config.device, num_pages, config.page_size,
+            self.kv_pool.num_bytes / 1024**3, kv_dtype,
+        )
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+
+    # ---- requests -------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+    ) -> None:
+        """Validate and enqueue a request; it joins the batch at the next step."""
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams())
+        self._mailbox.append(("add", seq))
+
+    def add_prefill_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+    ) -> None:
+        """Compute only the prompt's KV and first token (a prefill worker's job).
+
+        The request finishes with its first token; its prompt pages are copied
+        out (:meth:`take_prefill_result`) and released to the prefix cache.
+        """
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), with_text=False)
+        seq.is_prefill_only = True
+        seq.max_output_tokens = 1
+        self._mailbox.append(("add", seq))
+
+    def take_prefill_result(self, request_id: str) -> PrefillResult | None:
+        """The exported pages of a finished prefill-only request (once)."""
+        return self._prefill_results.pop(request_id, None)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_token_id: int,
+        kv: torch.Tensor,
+        params: SamplingParams | None = None,
+        *,
+        num_cached_tokens: int = 0,
+        first_logprob: TokenLogprob | None = None,
+        kv_scales: Seq[float] = (),
+    ) -> None:
+        """Continue a request prefilled elsewhere: ``kv`` holds its prompt's pages
+        (``[pages, layers, 2, page_size, Hkv, D]``, as :meth:`prefill` exports them) and
+        ``first_token_id`` its first generated token, which is streamed first."""
+        params = params or SamplingParams()
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        try:
+            self._check_imported_kv(seq, first_token_id, kv, kv_scales)
+        except RequestError:
+            with self._lock:
+                self._live_ids.discard(request_id)
+            raise
+        seq.imported_kv = kv
+        seq.num_cached_tokens = num_cached_tokens
+        seq.is_admitted_once = True
+        self._mailbox.append(("import", (seq, first_token_id, first_logprob)))
+
+    def _check_imported_kv(self, seq: Sequence, first_token_id: int, kv, kv_scales: Seq[float]) -> None:
+        mc, pool = self.model_config, self.kv_pool
+        if not 0 <= first_token_id < mc.vocab_size:
+            raise RequestError(f"first_token_id must be in [0, {mc.vocab_size})")
+        want = (self.block_manager.pages_for(seq.num_prompt_tokens), *pool.data.shape[1:])
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
+            raise RequestError(f"prefilled KV must be {list(want)}, got {list(getattr(kv, 'shape', []))}")
+        if kv.dtype != pool.dtype:
+            raise RequestError(f"prefilled KV is {kv.dtype}, this pool holds {pool.dtype}")
+        if list(kv_scales) != self._kv_scales():
+            raise RequestError(f"prefilled KV scales {list(kv_scales)} differ from this pool's {self._kv_scales()}")
+
+    def _kv_scales(self) -> list[float]:
+        pool = self.kv_pool
+        return [float(pool.k_scale), float(pool.v_scale)] if pool.is_fp8 else []
+
+    def _new_sequence(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *, with_text: bool = True
+    ) -> Sequence:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("text prompts need the tokenizer (load_tokenizer=True)")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        self._check_prompt(token_ids, params)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise RequestError(f"request id {request_id!r} is already running")
+            self._live_ids.add(request_id)
+        seq = Sequence(
+            request_id, token_ids, params, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        )
+        if self.tokenizer is not None and with_text:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        return seq
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens; the context length is {self.max_model_len}"
+            )
+        if self.block_manager.pages_for(len(token_ids) + 1) > self.block_manager.num_pages:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens, more than the whole KV pool holds")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the tokenizer (load_tokenizer=True)")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step; its pages return to the pool and a
+        final output with finish_reason ``abort`` is produced. Unknown ids are ignored."""
+        self._mailbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._mailbox) or self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Drain the mailbox, run one batch, return what each request produced."""
+        t0 = time.perf_counter()
+        outputs = self._drain_mailbox()
+        batch = self.scheduler.schedule()
+        for seq in batch.out_of_pages:
+            outputs.append(self._finish(seq, "length", []))
+        if batch.is_empty:
+            return outputs
+        for seq in batch.seqs[batch.num_decode :]:
+            if seq.imported_kv is not None:
+                self._write_imported_pages(seq)
+        sampled_seqs, tokens, logprobs = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.index_computed_pages(seq)
+        for seq, token, lp in zip(sampled_seqs, tokens, logprobs):
+            outputs.append(self._append_token(seq, token, lp))
+        st = self.stats
+        st.num_steps += 1
+        st.forward_seconds += self.runner.last_forward_seconds
+        st.num_decode_tokens += batch.num_decode
+        st.num_prefill_tokens += sum(batch.num_new_tokens[batch.num_decode :])
+        st.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _drain_mailbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self._mailbox:
+            kind, item = self._mailbox.popleft()
+            if kind == "add":
+                self._seqs[item.request_id] = item
+                self.scheduler.add(item)
+            elif kind == "import":
+                seq, first_token_id, first_logprob = item
+                self._seqs[seq.request_id] = seq
+                out = self._append_token(seq, first_token_id, first_logprob)
+                if not out.finished:
+                    self.scheduler.add(seq)
+                outputs.append(out)
+            else:
+                seq = self._seqs.get(item)
+                if seq is not None:
+                    outputs.append(self._finish(seq, "abort", []))
+        return outputs
+
+    def _write_imported_pages(self, seq: Sequence) -> None:
+        # Pages before import_from_page came from this pool's prefix cache (same tokens,
+        # same model, so the same KV); they may be shared and are left alone.
+        end = self.block_manager.pages_for(seq.num_prompt_tokens)
+        start = seq.import_from_page
+        if start < end:
+            ids = torch.tensor(seq.page_ids[start:end], dtype=torch.int64, device=self.device)
+            scatter_pages(self.kv_pool.data, ids, seq.imported_kv[start:end].to(self.device))
+        seq.imported_kv = None
+
+    def _export_prompt_pages(self, seq: Sequence, first_token_id: int, lp: TokenLogprob | None) -> None:
+        n = self.block_manager.pages_for(seq.num_prompt_tokens)
+        ids = torch.tensor(seq.page_ids[:n], dtype=torch.int64, device=self.device)
+        self._prefill_results[seq.request_id] = PrefillResult(
+            first_token_id=first_token_id, kv=gather_pages(self.kv_pool.data, ids), kv_scales=self._kv_scales(),
+            num_cached_tokens=seq.num_cached_tokens, first_logprob=lp,
+        )
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        reason: FinishReason | None = None
+        if token in seq.stop_token_ids:
+            reason = "stop"
+        elif seq.detok is not None and seq.detok.add(token):
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_output_tokens:
+            reason = "length"
+        lps = [lp] if lp is not None else None
+        if reason is not None:
+            return self._finish(seq, reason, [token], lps)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=seq.detok.take(False) if seq.detok is not None else "",
+            logprobs=lps,
+        )
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, new_ids: list[int], lps: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        if seq.is_prefill_only and new_ids and seq.page_ids:
+            self._export_prompt_pages(seq, new_ids[0], lps[0] if lps else None)
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        self._seqs.pop(seq.request_id, None)
+        with self._lock:
+            self._live_ids.discard(seq.request_id)
+        usage = self._usage(seq)
+        self.stats.num_prompt_tokens += usage.prompt_tokens
+        self.stats.num_cached_prompt_tokens += usage.cached_prompt_tokens
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=seq.detok.take(True) if seq.detok is not None else "",
+            finished=True,
+            finish_reason=reason,
+            usage=usage,
+            logprobs=lps,
+        )
+
+    @staticmethod
+    def _usage(seq: Sequence) -> Usage:
+        return Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            completion_tokens=seq.num_output_tokens,
+        )
+
+    # ---- run to completion ----------------------------------------------
+
+    def generate_sync(
+        self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Run ``prompts`` together to the end (batched); results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [f"sync-{uuid.uuid4().hex}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.new_text)
+                if out.logprobs:
+                    lps[out.request_id] += out.logprobs
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(
+                request_id=rid, token_ids=tokens[rid], text="".join(texts[rid]),
+                finish_reason=done[rid].finish_reason, usage=done[rid].usage,
+                logprobs=lps[rid] if p.logprobs is not None else None,
+            )
+            for rid, p in zip(ids, params)
+        ]

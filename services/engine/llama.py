@@ -1,0 +1,118 @@
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2) over paged KV.
+
+Plain tensors and free functions rather than nn.Modules: a decode step on CPU
+is a few hundred small ops, and module dispatch would be a visible share.
+Every compute op that has a kernel goes through ``kernels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    apply_rotary,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rope_cos_sin_cache,
+    silu_and_mul,
+    store_kv,
+)
+from services.engine.kv_pool import KVPool
+from services.engine.linear import linear
+from services.engine.model_config import ModelConfig
+from services.engine.weights import LayerWeights, ModelWeights
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens go in the pool and what they attend to.
+
+    The packed tokens are ``num_decode_tokens`` decode tokens (one per
+    sequence) followed by the prefill chunks; either part may be empty.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None  # [Bd, P] int32
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
+    prefill_block_tables: torch.Tensor | None = None  # [Bp, P] int32
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # [Bp + 1] int32
+    prefill_seq_lens: torch.Tensor | None = None  # [Bp] int32
+    prefill_max_seqlen_q: int = 0
+
+
+class LlamaModel:
+    def __init__(self, mc: ModelConfig, weights: ModelWeights, kv_pool: KVPool, max_model_len: int):
+        self.mc = mc
+        self.w = weights
+        self.kv = kv_pool
+        self.scale = mc.head_dim**-0.5
+        self.q_size = mc.num_heads * mc.head_dim
+        self.kv_size = mc.num_kv_heads * mc.head_dim
+        self.cos_sin = rope_cos_sin_cache(
+            mc.head_dim, max_model_len, mc.rope_theta, mc.rope_scaling, device=weights.embed.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,  # [N] rows whose logits are needed; None: all
+    ) -> torch.Tensor:  # [N, V] float32
+        mc, w = self.mc, self.w
+        eps = mc.rms_norm_eps
+        h = F.embedding(input_ids, w.embed)  # [T, H]
+        residual = None
+        for i, layer in enumerate(w.layers):
+            if residual is None:
+                x, residual = rms_norm(h, layer.input_norm, eps), h
+            else:
+                x, residual = rms_norm(h, layer.input_norm, eps, residual)
+            h = self._attention(i, layer, x, positions, meta)
+            x, residual = rms_norm(h, layer.post_norm, eps, residual)
+            h = linear(silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = rms_norm(h, w.norm, eps, residual)
+        return linear(h, w.lm_head).float()
+
+    def _attention(
+        self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        mc, kv = self.mc, self.kv
+        T = x.shape[0]
+        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, mc.num_heads, mc.head_dim)
+        k = k.view(T, mc.num_kv_heads, mc.head_dim)
+        v = v.view(T, mc.num_kv_heads, mc.head_dim)
+        q, k = apply_rotary(q, k, positions, self.cos_sin)
+        k_cache, v_cache = kv.k_caches[i], kv.v_caches[i]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        nd = meta.num_decode_tokens
+        if nd == T:
+            out = self._decode(q, k_cache, v_cache, meta)
+        elif nd == 0:
+            out = self._prefill(q, k_cache, v_cache, meta)
+        else:
+            out = torch.empty_like(q)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
+        return linear(out.view(T, self.q_size), layer.o, layer.o_bias)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+            self.kv.k_scale, self.kv.v_scale,
+        )
+
+    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+            self.scale, self.kv.k_scale, self.kv.v_scale, meta.prefill_max_seqlen_q,
+        )

@@ -1,0 +1,64 @@
+"""Per-step sampling: gather each sequence's parameters into tensors, call the kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import compute_logprobs, sample
+from schemas.engine import TokenLogprob
+from services.engine.sequence import Sequence
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` [N, V] float32, row i for ``seqs[i]``."""
+    want_logprobs = [s.params.logprobs for s in seqs]
+    if all(s.params.temperature == 0.0 for s in seqs):
+        ids = logits.argmax(dim=-1)  # greedy fast path: no parameter tensors
+    else:
+        ids = _sample(logits, seqs)
+    id_list = ids.tolist()
+    if all(n is None for n in want_logprobs):
+        return id_list, [None] * len(seqs)
+    top_n = max(n for n in want_logprobs if n is not None)
+    chosen, top_ids, top_lps = compute_logprobs(logits, ids, top_n)
+    chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, n in enumerate(want_logprobs):
+        if n is None:
+            out.append(None)
+        else:
+            out.append(TokenLogprob(
+                token_id=id_list[i], logprob=chosen[i], top_token_ids=top_ids[i][:n], top_logprobs=top_lps[i][:n]
+            ))
+    return id_list, out
+
+
+def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None and s.params.temperature > 0]
+    if seeded and len(seqs) > 1:
+        # NOTE: the CPU reference picks its sampling path (sorted candidates or the full
+        # vocabulary) per batch, so a seeded row could draw a different token batched than
+        # alone. Seeded rows are drawn one by one, which makes them batch-invariant.
+        ids = _sample_rows(logits, seqs) if len(seeded) < len(seqs) else None
+        out = ids if ids is not None else torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        for i in seeded:
+            out[i] = _sample_rows(logits[i : i + 1], seqs[i : i + 1])[0]
+        return out
+    return _sample_rows(logits, seqs)
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    device = logits.device
+    params = [s.params for s in seqs]
+    f32 = dict(dtype=torch.float32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return sample(
+        logits,
+        torch.tensor([p.temperature for p in params], **f32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
+        torch.tensor([p.top_p for p in params], **f32),
+        torch.tensor([p.min_p for p in params], **f32),
+        torch.tensor([-1 if p.seed is None else p.seed for p in params], **i64),
+        # the step number: a seeded request draws the same token at the same step, batched or not
+        torch.tensor([s.num_output_tokens for s in seqs], **i64),
+    )

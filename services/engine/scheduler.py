@@ -1,0 +1,174 @@
+"""Continuous batching: which sequences run in the next step, with how many tokens.
+
+Policy, each step:
+1. Decode: every running sequence that is decoding gets one token. If its
+   next token needs a page and none is free, the most recently admitted
+   running sequence is preempted (pages released, progress dropped, back to
+   the front of the queue; it is recomputed later, mostly from the prefix
+   cache). A sequence alone in a full pool finishes with ``length``.
+2. Prefill, within ``max_prefill_tokens``: first the running sequences whose
+   prompt is only partly computed (chunked prefill), then waiting sequences
+   in arrival order while ``max_running_requests`` and the pool allow. A
+   waiting sequence gets pages for its whole prompt on admission (cached
+   prefix pages are shared, not copied), so prefill never runs out of pages
+   halfway. At most ``chunked_prefill_size`` tokens of one prompt per step.
+3. With mixed batches off, a step that has prefill work runs only prefill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step: the first ``num_decode`` decode one token each."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_pages: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+        enable_mixed_batches: bool = True,
+    ):
+        self.bm = block_manager
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.enable_mixed_batches = enable_mixed_batches
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out (finished or aborted) and release its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        has_prefill_work = bool(self.waiting) or any(not s.is_decoding for s in self.running)
+        if self.enable_mixed_batches or not has_prefill_work:
+            self._schedule_decode(batch)
+        self._schedule_prefill(batch)
+        if not batch.seqs and not self.enable_mixed_batches and self.running:
+            self._schedule_decode(batch)  # prefill work was blocked: keep decoding
+        return batch
+
+    def _schedule_decode(self, batch: ScheduledBatch) -> None:
+        for seq in list(self.running):  # admission order; victims come from the end
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+                continue
+            if self._make_room(seq, batch):
+                self.bm.grow(seq, seq.num_tokens)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1)
+        batch.num_decode = len(batch.seqs)
+
+    def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Free pages for ``seq``'s next token by preempting newer sequences."""
+        while not self.bm.can_grow(seq, seq.num_tokens):
+            victim = self.running[-1]
+            if victim is seq:
+                if len(self.running) == 1:
+                    batch.out_of_pages.append(seq)
+                else:
+                    self._preempt(seq, batch)
+                return False
+            self._preempt(victim, batch)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        # Victims are newer than every sequence already in the batch.
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _prefill_chunk(self, remaining: int, budget: int, is_first: bool) -> int:
+        if self.chunk_size is None:
+            # No chunking: a prompt runs whole, alone if it exceeds the budget.
+            return remaining if remaining <= budget or is_first else 0
+        return min(remaining, self.chunk_size, budget)
+
+    def _schedule_prefill(self, batch: ScheduledBatch) -> None:
+        budget = self.max_prefill_tokens
+        is_first = True
+        for seq in self.running:
+            if seq.is_decoding or seq in batch.out_of_pages:
+                continue
+            n = self._prefill_chunk(seq.num_uncomputed_tokens, budget, is_first)
+            if n <= 0:
+                return
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            is_first = False
+        if batch.out_of_pages:
+            return
+        while self.waiting and len(self.running) < self.max_running_requests and budget > 0:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq, reserve=self._reserve()):
+                break
+            if self.chunk_size is None and not is_first and seq.num_uncomputed_tokens > budget:
+                break  # would not fit this step; admit it next step
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            if not seq.is_admitted_once:
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.is_admitted_once = True
+            if seq.imported_kv is not None:
+                # Prompt KV computed elsewhere: the engine writes the pages the prefix
+                # cache did not cover before this step's forward; only the first
+                # generated token is left to compute.
+                seq.import_from_page = seq.num_computed_tokens // self.bm.page_size
+                seq.num_computed_tokens = seq.num_tokens - 1
+            self.running.append(seq)
+            n = self._prefill_chunk(seq.num_uncomputed_tokens, budget, is_first)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            is_first = False
+
+    def _reserve(self) -> int:
+        # Headroom so admitting a prompt does not immediately force a
+        # preemption when running sequences cross a page boundary.
+        return min(len(self.running), max(1, self.bm.num_pages // 64)) if self.running else 0

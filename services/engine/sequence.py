@@ -1,0 +1,95 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from schemas.engine import FinishReason, SamplingParams, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids, pages and progress of one request.
+
+    ``token_ids`` is the prompt followed by every generated token. The KV of
+    the first ``num_computed_tokens`` of them is in the pages ``page_ids``;
+    the rest still has to go through the model (the whole prompt before the
+    first step, one token while decoding, everything again after a
+    preemption). ``page_hashes`` caches the chained hash of every full page.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int,
+    ):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.page_ids: list[int] = []
+        self.page_hashes: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_indexed_pages = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.is_admitted_once = False
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        limit = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        # Streaming cursors: what the last RequestOutput already carried.
+        self.num_emitted_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.detok = None  # an IncrementalDetokenizer when text is produced
+        # Disaggregation: a prefill-only request exports its prompt's pages when it
+        # samples its first token; an imported one arrives with those pages.
+        self.is_prefill_only = False
+        self.imported_kv = None  # [pages, layers, 2, page_size, Hkv, D] until written
+        self.import_from_page = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, pages={len(self.page_ids)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is missing from the cache."""
+        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

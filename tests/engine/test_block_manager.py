@@ -1,0 +1,285 @@
+import pytest
+
+from schemas.engine import SamplingParams
+from services.engine.block_manager import BlockManager
+from services.engine.page_hash import page_hashes
+from services.engine.sequence import Sequence
+
+PS = 4
+
+
+def make_seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams(), max_model_len=10_000)
+
+
+def run_prefill(bm, seq):
+    """Admit ``seq`` and pretend the model computed all its tokens."""
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.index_computed_pages(seq)
+
+
+def check_invariants(bm):
+    refs = sum(1 for p in bm.pages if p.ref_count > 0)
+    assert refs + len(bm.free_page_ids) + len(bm.cached_page_ids) == bm.num_pages
+    for h, pid in bm.hash_to_page_id.items():
+        assert bm.pages[pid].page_hash == h
+    for pid in bm.cached_page_ids:
+        assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is not None
+    for pid in bm.free_page_ids:
+        assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is None
+
+
+def test_allocate_and_free_return_every_page():
+    bm = BlockManager(8, PS)
+    seq = make_seq(range(10))
+    assert bm.allocate(seq) == 0
+    assert len(seq.page_ids) == 3 and bm.num_free_pages == 5
+    bm.free(seq)
+    assert bm.num_free_pages == 8 and seq.page_ids == [] and seq.num_computed_tokens == 0
+    check_invariants(bm)
+
+
+def test_prefix_reuse_shares_pages_and_counts_refs():
+    bm = BlockManager(16, PS)
+    a = make_seq(range(10), "a")
+    run_prefill(bm, a)
+    assert len(bm.hash_to_page_id) == 2  # two full pages, the partial one is not indexed
+    b = make_seq(list(range(8)) + [99, 98, 97], "b")
+    assert bm.allocate(b) == 8
+    assert b.page_ids[:2] == a.page_ids[:2] and b.page_ids[2] != a.page_ids[2]
+    assert [bm.pages[p].ref_count for p in a.page_ids[:2]] == [2, 2]
+    bm.free(a)
+    assert [bm.pages[p].ref_count for p in b.page_ids[:2]] == [1, 1]
+    assert bm.num_cached_pages == 0  # still owned by b
+    bm.free(b)
+    assert bm.num_cached_pages == 2 and bm.num_free_pages == 16
+    check_invariants(bm)
+
+
+def test_cached_pages_survive_release_and_are_revived():
+    bm = BlockManager(16, PS)
+    a = make_seq(range(12), "a")
+    run_prefill(bm, a)
+    pages = list(a.page_ids)
+    bm.free(a)
+    assert bm.num_cached_pages == 3
+    b = make_seq(list(range(12)) + [5], "b")
+    assert bm.allocate(b) == 12
+    assert b.page_ids[:3] == pages and bm.num_cached_pages == 0
+    check_invariants(bm)
+
+
+def test_last_token_is_always_recomputed():
+    bm = BlockManager(16, PS)
+    run_prefill(bm, make_seq(range(8), "a"))
+    same = make_seq(range(8), "b")
+    # Both pages are cached, but the last token's logits are needed.
+    assert bm.allocate(same) == 4
+    check_invariants(bm)
+
+
+def test_hashes_follow_page_hash_module():
+    bm = BlockManager(16, PS, salt="tenant")
+    a = make_seq(range(9))
+    run_prefill(bm, a)
+    assert a.page_hashes == page_hashes(list(range(9)), PS, salt="tenant")
+    assert set(bm.hash_to_page_id) == set(a.page_hashes)
+
+
+def test_salt_isolates_caches():
+    bm1 = BlockManager(16, PS, salt="x")
+    run_prefill(bm1, make_seq(range(9)))
+    other = BlockManager(16, PS, salt="y")
+    assert set(bm1.hash_to_page_id).isdisjoint(page_hashes(list(range(9)), PS, salt="y"))
+    assert other.allocate(make_seq(range(9))) == 0
+
+
+def test_lru_evicts_unreferenced_tail_first():
+    evicted = []
+
+    class Hooks:
+        def on_stored(self, h, p):
+            pass
+
+        def on_evict(self, h, p):
+            evicted.append((h, p))
+
+        def lookup(self, hashes):
+            return 0
+
+        def load_back(self, hashes, page_ids):
+            raise AssertionError("not called")
+
+    bm = BlockManager(6, PS, hooks=Hooks())
+    a = make_seq(range(12), "a")  # 3 full pages
+    run_prefill(bm, a)
+    a_pages, a_hashes = list(a.page_ids), list(a.page_hashes)
+    bm.free(a)
+    b = make_seq(range(100, 112), "b")
+    run_prefill(bm, b)
+    bm.free(b)
+    assert bm.num_cached_pages == 6 and len(bm.free_page_ids) == 0
+    # Needs 2 pages: a's are the least recently released; its tail goes first.
+    c = make_seq(range(200, 208), "c")
+    assert bm.can_allocate(c)
+    bm.allocate(c)
+    assert evicted == [(a_hashes[2], a_pages[2]), (a_hashes[1], a_pages[1])]
+    assert a_hashes[2] not in bm.hash_to_page_id and a_hashes[0] in bm.hash_to_page_id
+    assert bm.num_evictions == 2
+    # a's first page is still a hit.
+    d = make_seq(list(range(4)) + [1, 2], "d")
+    assert bm.allocate(d) == 4
+    check_invariants(bm)
+
+
+def test_can_allocate_counts_revived_pages_as_used():
+    bm = BlockManager(4, PS)
+    a = make_seq(range(12), "a")
+    run_prefill(bm, a)
+    bm.free(a)  # 3 cached + 1 free
+    # 16 tokens = 4 pages: 3 revived from cache + 1 new: fits exactly.
+    b = make_seq(list(range(12)) + [1, 2, 3, 4], "b")
+    assert bm.can_allocate(b)
+    assert not bm.can_allocate(b, reserve=1)
+    # A different 16-token prompt needs 4 new pages: it may evict all 3.
+    c = make_seq(range(50, 66), "c")
+    assert bm.can_allocate(c)
+    bm.allocate(b)
+    assert not bm.can_allocate(c)
+    check_invariants(bm)
+
+
+def test_concurrent_duplicate_is_not_indexed_twice():
+    bm = BlockManager(16, PS)
+    a, b = make_seq(range(9), "a"), make_seq(range(9), "b")
+    bm.allocate(a)
+    bm.allocate(b)  # a is not computed yet: no hit
+    assert set(a.page_ids).isdisjoint(b.page_ids)
+    for s in (a, b):
+        s.num_computed_tokens = 9
+        bm.index_computed_pages(s)
+    assert len(bm.hash_to_page_id) == 2
+    assert all(bm.hash_to_page_id[h] in a.page_ids for h in a.page_hashes)
+    bm.free(b)
+    assert len(bm.free_page_ids) == 16 - 3  # b's copies are plain free pages
+    bm.free(a)
+    assert bm.num_cached_pages == 2
+    check_invariants(bm)
+
+
+def test_grow_for_decode():
+    bm = BlockManager(3, PS)
+    s = make_seq(range(4))
+    bm.allocate(s)
+    assert len(s.page_ids) == 1
+    s.token_ids.append(7)
+    assert bm.num_pages_needed(s, 5) == 1 and bm.can_grow(s, 5)
+    bm.grow(s, 5)
+    assert len(s.page_ids) == 2
+    bm.grow(s, 8)  # still fits in 2 pages
+    assert len(s.page_ids) == 2
+    assert not bm.can_grow(s, 13)
+    check_invariants(bm)
+
+
+def test_generated_tokens_are_indexed_when_their_page_fills():
+    bm = BlockManager(8, PS)
+    s = make_seq(range(6))
+    run_prefill(bm, s)
+    assert s.num_indexed_pages == 1
+    s.token_ids += [1, 2]
+    bm.grow(s, 8)
+    s.num_computed_tokens = 8
+    bm.index_computed_pages(s)
+    assert s.num_indexed_pages == 2 and len(bm.hash_to_page_id) == 2
+
+
+def test_collision_is_treated_as_miss():
+    bm = BlockManager(8, PS)
+    a = make_seq(range(9), "a")
+    run_prefill(bm, a)
+    bm.pages[a.page_ids[0]].token_ids = (9, 9, 9, 9)  # simulate a hash collision
+    assert bm.allocate(make_seq(range(9), "b")) == 0
+
+
+def test_prefix_caching_can_be_disabled():
+    bm = BlockManager(8, PS, enable_prefix_caching=False)
+    run_prefill(bm, make_seq(range(9), "a"))
+    assert bm.hash_to_page_id == {}
+    assert bm.allocate(make_seq(range(9), "b")) == 0
+
+
+class FakeTier:
+    def __init__(self, held, fail=False):
+        self.held = list(held)
+        self.fail = fail
+        self.loaded = []
+        self.stored = []
+
+    def on_stored(self, h, p):
+        self.stored.append(h)
+
+    def on_evict(self, h, p):
+        pass
+
+    def lookup(self, hashes):
+        n = 0
+        while n < len(hashes) and n < len(self.held) and hashes[n] == self.held[n]:
+            n += 1
+        return n
+
+    def load_back(self, hashes, page_ids):
+        if self.fail:
+            raise OSError("tier down")
+        self.loaded.append((list(hashes), list(page_ids)))
+
+
+def test_lower_tier_hits_are_loaded_back_not_recomputed():
+    tokens = list(range(14))
+    held = page_hashes(tokens, PS)  # 3 full pages
+    tier = FakeTier(held)
+    bm = BlockManager(8, PS, hooks=tier)
+    s = make_seq(tokens)
+    assert bm.allocate(s) == 12
+    assert tier.loaded == [(held, s.page_ids[:3])]
+    assert set(held) <= set(bm.hash_to_page_id)
+    check_invariants(bm)
+
+
+def test_lower_tier_after_partial_device_hit():
+    tokens = list(range(14))
+    hashes = page_hashes(tokens, PS)
+    bm = BlockManager(8, PS, hooks=FakeTier([]))
+    run_prefill(bm, make_seq(tokens[:5], "warm"))  # device holds page 0
+    bm.hooks = tier = FakeTier(hashes[1:])
+    s = make_seq(tokens, "s")
+    assert bm.allocate(s) == 12
+    assert tier.loaded[0][0] == hashes[1:]
+
+
+def test_lower_tier_failure_falls_back_to_recompute():
+    tokens = list(range(14))
+    bm = BlockManager(8, PS, hooks=FakeTier(page_hashes(tokens, PS), fail=True))
+    s = make_seq(tokens)
+    assert bm.allocate(s) == 0
+    assert len(s.page_ids) == 4 and bm.num_free_pages == 4
+    check_invariants(bm)
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(4, PS)
+    s = make_seq(range(3))
+    bm.allocate(s)
+    pid = s.page_ids[0]
+    bm.free(s)
+    with pytest.raises(AssertionError):
+        bm._unref(pid)
+
+
+def test_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        BlockManager(0, 16)
+    with pytest.raises(ValueError):
+        BlockManager(4, 0)

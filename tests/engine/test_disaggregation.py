@@ -1,0 +1,143 @@
+"""Prefill-only requests export their prompt pages; another engine continues from them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from schemas.engine import SamplingParams
+from services.engine import RequestError
+from tests.engine.conftest import MAX_NEW_TOKENS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+
+
+def prefill_sync(engine, rid, prompt, params=GREEDY):
+    engine.add_prefill_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.finished for o in outs] == [True] and len(outs[0].new_token_ids) == 1
+    result = engine.take_prefill_result(rid)
+    assert result is not None and engine.take_prefill_result(rid) is None
+    return result
+
+
+def decode_sync(engine, rid, prompt, result, params=GREEDY):
+    engine.add_prefilled_request(rid, prompt, result.first_token_id, result.kv, params,
+                                 num_cached_tokens=result.num_cached_tokens, first_logprob=result.first_logprob,
+                                 kv_scales=result.kv_scales)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evict", [True, False], ids=["pages-written", "prefix-cache-hit"])
+def test_prefill_then_import_matches_hf(engine, prompt_ids, hf_greedy, evict):
+    for i in (3, 1, 8):  # ~250-token, short and chat prompts
+        engine.block_manager.evict_all_cached()
+        prompt = prompt_ids[i]
+        result = prefill_sync(engine, f"p{i}", prompt)
+        pages = engine.block_manager.pages_for(len(prompt))
+        assert tuple(result.kv.shape) == (pages, 30, 2, 16, 3, 64) and result.kv_scales == []
+        assert result.first_token_id == hf_greedy[i][0]
+        assert engine.block_manager.num_used_pages == 0  # released to the prefix cache
+        if evict:
+            engine.block_manager.evict_all_cached()
+            engine.kv_pool.data.normal_()  # no stale KV can help the import
+        outs = decode_sync(engine, f"d{i}", prompt, result)
+        assert [t for o in outs for t in o.new_token_ids] == hf_greedy[i]
+        assert outs[-1].usage.prompt_tokens == len(prompt)
+        assert engine.block_manager.num_used_pages == 0
+
+
+def test_imported_pages_enter_the_prefix_cache(engine, prompt_ids):
+    engine.block_manager.evict_all_cached()
+    prompt = prompt_ids[3]
+    result = prefill_sync(engine, "p", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    engine.block_manager.evict_all_cached()
+    decode_sync(engine, "d", prompt, result, SamplingParams(temperature=0.0, max_tokens=2))
+    [again] = engine.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    assert again.usage.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+
+
+def test_first_token_can_finish_the_request(engine, prompt_ids):
+    prompt = prompt_ids[0]
+    result = prefill_sync(engine, "p", prompt)
+    eos = next(iter(engine.eos_token_ids))
+    engine.add_prefilled_request("d", prompt, eos, result.kv, GREEDY)
+    [out] = engine.step()
+    assert out.finished and out.finish_reason == "stop" and out.new_token_ids == [eos]
+    engine.add_prefilled_request("d2", prompt, result.first_token_id, result.kv,
+                                 SamplingParams(temperature=0.0, max_tokens=1))
+    [out] = engine.step()
+    assert out.finish_reason == "length" and out.usage.completion_tokens == 1
+    assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
+
+
+def test_bad_imports_are_request_errors(engine, prompt_ids):
+    prompt = prompt_ids[0]
+    result = prefill_sync(engine, "p", prompt)
+    with pytest.raises(RequestError, match="must be"):
+        engine.add_prefilled_request("x", prompt + [5] * 16, result.first_token_id, result.kv)
+    with pytest.raises(RequestError, match="holds"):
+        engine.add_prefilled_request("x", prompt, result.first_token_id, result.kv.half())
+    with pytest.raises(RequestError, match="scales"):
+        engine.add_prefilled_request("x", prompt, result.first_token_id, result.kv, kv_scales=[1.0, 1.0])
+    with pytest.raises(RequestError, match="first_token_id"):
+        engine.add_prefilled_request("x", prompt, -1, result.kv)
+    # the id is free again after every refusal
+    engine.add_prefilled_request("x", prompt, result.first_token_id, result.kv,
+                                 SamplingParams(temperature=0.0, max_tokens=1))
+    assert engine.step()[0].finished
+
+
+def test_abort_an_imported_request(engine, prompt_ids):
+    prompt = prompt_ids[3]
+    result = prefill_sync(engine, "p", prompt)
+    engine.add_prefilled_request("d", prompt, result.first_token_id, result.kv, GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort("d")
+    outs = engine.step()
+    assert outs[-1].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
+
+
+def test_async_prefill_and_generate_prefilled(engine, prompt_ids):
+    prompt = prompt_ids[2]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=2)
+    [ref] = engine.generate_sync([prompt], params)  # matching transformers is the slow tests' job
+
+    async def main():
+        result = await engine.prefill(prompt, params)
+        engine.block_manager.evict_all_cached()
+        outs = [o async for o in engine.generate_prefilled(
+            prompt, result.first_token_id, result.kv, params, first_logprob=result.first_logprob,
+            num_cached_tokens=result.num_cached_tokens, kv_scales=result.kv_scales)]
+        return result, outs
+
+    result, outs = asyncio.run(main())
+    assert result.first_logprob is not None and result.first_logprob.token_id == result.first_token_id
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+    assert outs[0].logprobs == [result.first_logprob] == ref.logprobs[:1]
+    assert all(len(o.logprobs) == 1 for o in outs)
+
+
+@pytest.mark.slow
+def test_fp8_pages_carry_their_scales(model_dir, prompt_ids):
+    from tests.engine.conftest import make_engine
+
+    eng = make_engine(model_dir, kv_cache_dtype="fp8_e4m3", kv_fp8_scale=0.5, kv_cache_memory=0.02)
+    prompt = prompt_ids[1]
+    [ref] = eng.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    eng.block_manager.evict_all_cached()
+    result = prefill_sync(eng, "p", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    assert result.kv.dtype == torch.float8_e4m3fn and result.kv_scales == [0.5, 0.5]
+    eng.block_manager.evict_all_cached()
+    outs = decode_sync(eng, "d", prompt, result, SamplingParams(temperature=0.0, max_tokens=8))
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids

@@ -1,0 +1,71 @@
+"""bf16 / fp16 weights and bf16 / fp8 KV caches against the fp32 engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas.engine import SamplingParams
+from tests.engine.conftest import make_engine
+
+P = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def fp32_tokens(engine, prompt_ids):
+    return [o.token_ids for o in engine.generate_sync(prompt_ids, P)]
+
+
+def agreement(outs, ref):
+    first = sum(o.token_ids[0] == r[0] for o, r in zip(outs, ref))
+    exact = sum(o.token_ids == r for o, r in zip(outs, ref))
+    return first, exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype, torch_dtype, min_exact", [
+    ("fp8_e4m3", torch.float8_e4m3fn, 5), ("bfloat16", torch.bfloat16, 8),
+])
+def test_kv_cache_dtype(model_dir, prompt_ids, fp32_tokens, kv_dtype, torch_dtype, min_exact):
+    eng = make_engine(model_dir, kv_cache_dtype=kv_dtype, kv_cache_memory=0.05)
+    assert eng.kv_pool.data.dtype == torch_dtype and eng.dtype == torch.float32
+    # fp8 pages are a quarter of fp32 ones: 4x the pages in the same memory
+    assert eng.block_manager.num_pages == int(0.05 * 1024**3 // (30 * 2 * 16 * 3 * 64 * torch_dtype.itemsize))
+    outs = eng.generate_sync(prompt_ids, P)
+    first, exact = agreement(outs, fp32_tokens)
+    assert first == len(prompt_ids) and exact >= min_exact
+    assert eng.block_manager.num_used_pages == 0
+
+
+@pytest.mark.slow
+def test_bf16_weights(model_dir, prompt_ids, fp32_tokens):
+    eng = make_engine(model_dir, dtype="bfloat16", kv_cache_memory=0.05)
+    assert eng.model.w.embed.dtype == torch.bfloat16 and eng.kv_pool.data.dtype == torch.bfloat16
+    assert eng.model.w.layers[0].qkv.is_mkldnn  # prepacked for oneDNN
+    outs = eng.generate_sync(prompt_ids, P)
+    first, exact = agreement(outs, fp32_tokens)
+    assert first >= len(prompt_ids) - 1 and exact >= len(prompt_ids) // 2
+
+
+def test_linear_backends_agree():
+    from services.engine.linear import can_prepack, linear, prepack
+
+    if not can_prepack(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    packed = prepack(w)
+    assert packed.is_mkldnn and not w.is_mkldnn
+    for rows in (1, 3, 8, 33):
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(linear(x, packed, b), linear(x, w, b), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(linear(x, packed), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert can_prepack(torch.device("cpu"), torch.bfloat16) and not can_prepack(torch.device("cpu"), torch.float16)
+
+
+@pytest.mark.slow
+def test_unpacked_weights_match_hf_too(model_dir, prompt_ids, hf_greedy):
+    eng = make_engine(model_dir, prepack_weights=False, kv_cache_memory=0.05)
+    assert not eng.model.w.layers[0].qkv.is_mkldnn
+    outs = eng.generate_sync(prompt_ids[:4], SamplingParams(temperature=0.0, max_tokens=64))
+    assert [o.token_ids for o in outs] == hf_greedy[:4]

@@ -1,0 +1,239 @@
+import random
+
+from schemas.engine import SamplingParams
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence, SequenceStatus
+
+PS = 4
+
+
+def make(num_pages=64, **kw):
+    bm = BlockManager(num_pages, PS)
+    opts = dict(max_running_requests=8, max_prefill_tokens=32, chunked_prefill_size=16)
+    opts.update(kw)
+    return bm, Scheduler(bm, **opts)
+
+
+def seq(rid, prompt_len, max_tokens=4, base=0):
+    return Sequence(
+        rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens), max_model_len=1000
+    )
+
+
+def fake_step(sched, batch, finished):
+    """What the engine does after a forward: progress, index, sample, finish."""
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        assert s.status is SequenceStatus.RUNNING
+        assert s.num_computed_tokens + n <= s.num_tokens
+        # pages cover every token computed this step
+        assert len(s.page_ids) * PS >= s.num_computed_tokens + n
+        s.num_computed_tokens += n
+        sched.bm.index_computed_pages(s)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(1000 + s.num_output_tokens)
+            if s.num_output_tokens >= s.max_output_tokens:
+                sched.remove(s)
+                finished.append(s)
+    for s in batch.out_of_pages:
+        sched.remove(s)
+        finished.append(s)
+
+
+def run_all(sched, max_steps=1000):
+    finished, batches = [], []
+    for _ in range(max_steps):
+        if not sched.num_unfinished:
+            break
+        batch = sched.schedule()
+        batches.append((list(batch.seqs), list(batch.num_new_tokens), batch.num_decode, list(batch.preempted)))
+        fake_step(sched, batch, finished)
+    assert not sched.num_unfinished, "did not drain"
+    return finished, batches
+
+
+def test_decode_and_prefill_mix_and_requests_join_any_step():
+    bm, sched = make()
+    a = seq("a", 6)
+    sched.add(a)
+    b1 = sched.schedule()
+    assert b1.seqs == [a] and b1.num_new_tokens == [6] and b1.num_decode == 0
+    fake_step(sched, b1, [])
+    b = seq("b", 10, base=50)
+    sched.add(b)
+    b2 = sched.schedule()
+    assert b2.seqs == [a, b] and b2.num_new_tokens == [1, 10] and b2.num_decode == 1
+
+
+def test_chunked_prefill_respects_chunk_and_budget():
+    bm, sched = make(max_prefill_tokens=20, chunked_prefill_size=8)
+    long, short = seq("long", 30), seq("short", 5, base=100)
+    sched.add(long)
+    sched.add(short)
+    b1 = sched.schedule()
+    assert b1.num_new_tokens == [8, 5]
+    fake_step(sched, b1, [])
+    b2 = sched.schedule()
+    # short decodes, long continues with the next chunk
+    assert [s.request_id for s in b2.seqs] == ["short", "long"] and b2.num_new_tokens == [1, 8]
+    finished, _ = run_all(sched)
+    assert {s.request_id for s in finished} == {"long", "short"}
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_budget_is_shared_across_requests():
+    bm, sched = make(max_prefill_tokens=12, chunked_prefill_size=8)
+    for i in range(3):
+        sched.add(seq(f"r{i}", 8, base=100 * i))
+    b = sched.schedule()
+    assert b.num_new_tokens == [8, 4]  # third waits for budget
+
+
+def test_max_running_requests():
+    bm, sched = make(max_running_requests=2, max_prefill_tokens=100)
+    for i in range(4):
+        sched.add(seq(f"r{i}", 4, base=100 * i))
+    b = sched.schedule()
+    assert len(b.seqs) == 2 and len(sched.waiting) == 2
+    finished, batches = run_all(sched)
+    assert len(finished) == 4
+    assert all(len(s) <= 2 for s, *_ in batches)
+
+
+def test_no_chunking_runs_a_long_prompt_alone():
+    bm, sched = make(max_prefill_tokens=10, chunked_prefill_size=0)
+    sched.add(seq("short", 4))
+    sched.add(seq("long", 30, base=50))
+    b1 = sched.schedule()
+    assert b1.num_new_tokens == [4]  # long would exceed the budget next to short
+    fake_step(sched, b1, [])
+    b2 = sched.schedule()
+    assert [s.request_id for s in b2.seqs] == ["short", "long"] and b2.num_new_tokens == [1, 30]
+
+
+def test_fcfs_head_of_line_blocks_admission():
+    bm, sched = make(num_pages=6, max_prefill_tokens=100, chunked_prefill_size=100)
+    sched.add(seq("big", 20))  # 5 pages
+    sched.add(seq("big2", 20, base=30))  # would need 5 more
+    sched.add(seq("tiny", 2, base=60))  # would fit, but must not overtake
+    b = sched.schedule()
+    assert [s.request_id for s in b.seqs] == ["big"]
+
+
+def test_preemption_by_recompute_with_tiny_pool():
+    # 10 pages of 4 tokens; 4 requests that each grow to 16 tokens (4 pages).
+    bm, sched = make(num_pages=10, max_prefill_tokens=64, chunked_prefill_size=64)
+    seqs = [seq(f"r{i}", 6, max_tokens=10, base=100 * i) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    finished, batches = run_all(sched)
+    assert sched.num_preemptions > 0
+    assert sorted(s.request_id for s in finished) == [s.request_id for s in seqs]
+    for s in finished:
+        # every request produced exactly max_tokens tokens, in order, despite preemption
+        assert s.output_token_ids == [1000 + i for i in range(10)]
+        assert s.page_ids == []
+    assert bm.num_free_pages == bm.num_pages
+    # the newest admitted sequence is the first victim
+    first_preempt = next(p for *_, p in batches if p)
+    assert first_preempt[0].request_id == "r3"
+
+
+def test_preempted_sequence_resumes_from_its_cached_pages():
+    bm, sched = make(num_pages=9, max_prefill_tokens=64, chunked_prefill_size=64)
+    a, b = seq("a", 12, max_tokens=12), seq("b", 12, max_tokens=12, base=100)
+    sched.add(a)
+    sched.add(b)
+    seen_readmission = []
+    finished = []
+    while sched.num_unfinished:
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            if s.num_preemptions and s.num_computed_tokens > 0 and n < s.num_tokens:
+                seen_readmission.append((s.request_id, s.num_computed_tokens))
+        fake_step(sched, batch, finished)
+    assert sched.num_preemptions > 0
+    assert seen_readmission, "a preempted request should restart from cached full pages"
+    assert len(finished) == 2
+
+
+def test_single_sequence_that_outgrows_the_pool_is_reported():
+    bm, sched = make(num_pages=2, max_prefill_tokens=64)
+    s = seq("a", 6, max_tokens=100)
+    sched.add(s)
+    finished, _ = run_all(sched)
+    assert finished == [s] and s.num_tokens == 9  # 8 tokens in 2 pages + the last one sampled
+    assert bm.num_free_pages == 2
+
+
+def test_mixed_batches_off_pauses_decode_during_prefill():
+    bm, sched = make(enable_mixed_batches=False)
+    sched.add(seq("a", 4))
+    fake_step(sched, sched.schedule(), [])
+    sched.add(seq("b", 4, base=10))
+    b = sched.schedule()
+    assert [s.request_id for s in b.seqs] == ["b"] and b.num_decode == 0
+    fake_step(sched, b, [])
+    b = sched.schedule()
+    assert b.num_decode == 2
+
+
+def test_abort_waiting_and_running_returns_pages():
+    bm, sched = make()
+    a, b = seq("a", 9), seq("b", 9, base=20)
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched, sched.schedule(), [])
+    c = seq("c", 5, base=40)
+    sched.add(c)
+    sched.remove(c)  # waiting
+    sched.remove(a)  # running
+    assert a.status is SequenceStatus.FINISHED and c.status is SequenceStatus.FINISHED
+    sched.remove(b)
+    assert bm.num_free_pages == bm.num_pages and not sched.num_unfinished
+
+
+def test_prefix_hit_counts_cached_prompt_tokens():
+    bm, sched = make()
+    a = seq("a", 10, max_tokens=1)
+    sched.add(a)
+    run_all(sched)
+    b = seq("b", 12, max_tokens=1)  # shares a's first 8 tokens (2 full pages)
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.num_cached_tokens == 8 and batch.num_new_tokens == [4]
+
+
+def test_random_workload_never_leaks_or_overcommits():
+    rng = random.Random(0)
+    for trial in range(20):
+        bm, sched = make(
+            num_pages=rng.randint(8, 30),
+            max_prefill_tokens=rng.randint(4, 40),
+            chunked_prefill_size=rng.choice([0, 3, 8]),
+            max_running_requests=rng.randint(1, 6),
+        )
+        pending = [seq(f"t{trial}r{i}", rng.randint(1, 20), rng.randint(1, 12), base=rng.choice([0, 0, 500 * i]))
+                   for i in range(12)]
+        finished = []
+        for step in range(3000):
+            if pending and rng.random() < 0.3:
+                sched.add(pending.pop())
+            if not pending and not sched.num_unfinished:
+                break
+            batch = sched.schedule()
+            # every page's refcount is exactly the number of running sequences holding it
+            holders = {}
+            for s in sched.running:
+                for pid in s.page_ids:
+                    holders[pid] = holders.get(pid, 0) + 1
+            assert {p.page_id: p.ref_count for p in bm.pages if p.ref_count} == holders
+            assert all(not s.page_ids for s in sched.waiting)
+            fake_step(sched, batch, finished)
+            if rng.random() < 0.05 and sched.running:
+                victim = rng.choice(sched.running)
+                sched.remove(victim)
+                finished.append(victim)
+        assert not pending and not sched.num_unfinished
+        assert bm.num_free_pages == bm.num_pages
+        assert all(p.ref_count == 0 for p in bm.pages)
