@@ -35,6 +35,8 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    timings: dict[str, float] | None = None
+    """First chunk only: seconds per phase (tokenize_s, route_s, prefill_s, transfer..., first_token_s)."""
 
 
 class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):

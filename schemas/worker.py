@@ -48,6 +48,8 @@ class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
     """Streams the tokens; also prefills when ``prefill_worker_id`` is None."""
     prefill_worker_id: str | None = None
     policy: str = ""
+    prefill_host_id: str | None = None
+    """Host of the prefill worker: the decode worker picks the KV transfer backend from it."""
 
 
 class WorkerGenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +60,7 @@ class WorkerGenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     prefill_worker_id: str | None = None
     stream_interval: int = 1
+    prefill_host_id: str | None = None
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -9,6 +9,8 @@ ROLES: dict[str, str] = {
     "gateway": "services.gateway.actor:GatewayActor",
     "router": "services.router.actor:RouterActor",
     "worker": "services.workers.actor:WorkerActor",
+    "prefill": "services.workers.prefill:PrefillActor",
+    "decode": "services.workers.decode:DecodeActor",
 }
 
 

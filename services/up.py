@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import shlex
 import signal
 import socket
 import sys
@@ -94,7 +95,7 @@ class Supervisor:
 async def wait_ready(bus, roles: dict[str, list[str]], supervisor: Supervisor, timeout: float) -> None:
     """Poll each worker's health subject until it answers ready."""
     from bus.errors import BusError
-    from bus.subjects import WORKER_HEALTH
+    from bus.subjects import HEALTH, WORKER_HEALTH
     from schemas.common import HealthRequest
 
     pending = {(role, wid) for role, ids in roles.items() for wid in ids}
@@ -112,16 +113,68 @@ async def wait_ready(bus, roles: dict[str, list[str]], supervisor: Supervisor, t
                     pending.discard((role, wid))
         if pending:
             await asyncio.sleep(0.25)
+    if "router" in roles:  # the router must have heard every engine worker's heartbeat
+        engines = {r: len(roles[r]) for r in ("prefill", "decode", "worker") if r in roles}
+        while True:
+            with contextlib.suppress(BusError):
+                reply = await bus.request(HEALTH, HealthRequest(), timeout=1.0, role="router")
+                if all(int(reply.detail.get(f"workers_{r}", 0)) >= n for r, n in engines.items()):
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not see every worker within {timeout:.0f}s")
+            await asyncio.sleep(0.25)
 
 
-async def first_request(bus) -> str:
+async def first_request(bus, roles: dict[str, list[str]]) -> str:
     """The request that proves the system serves: a real call through the bus."""
-    from bus.subjects import TOKENIZER_ENCODE
-    from schemas.tokenizer import EncodeRequest
+    if "gateway" not in roles:
+        from bus.subjects import TOKENIZER_ENCODE
+        from schemas.tokenizer import EncodeRequest
 
-    text = "Hello from kvbus!"
-    reply = await bus.request(TOKENIZER_ENCODE, EncodeRequest(text=text), timeout=30)
-    return f"{TOKENIZER_ENCODE.template} {{\"text\": \"{text}\"}} -> {reply.ids}"
+        text = "Hello from kvbus!"
+        reply = await bus.request(TOKENIZER_ENCODE, EncodeRequest(text=text), timeout=30)
+        return f"{TOKENIZER_ENCODE.template} {{\"text\": \"{text}\"}} -> {reply.ids}"
+    from bus.subjects import GENERATE_ONCE
+    from schemas.engine import SamplingParams
+    from schemas.generate import GenerateRequest
+    from schemas.tokenizer import ChatMessage
+
+    question = "What is the capital of France?"
+    reply = await bus.request(GENERATE_ONCE, GenerateRequest(
+        messages=[ChatMessage(role="user", content=question)],
+        sampling=SamplingParams(max_tokens=32, temperature=0.0)), timeout=120)
+    return f"{GENERATE_ONCE.template} {question!r} -> {reply.text!r} ({reply.usage.completion_tokens} tokens)"
+
+
+def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, list[str]], list[Child]]:
+    """Which processes to start: role -> worker ids, and their command lines."""
+    from services.registry import ROLES
+
+    roles: dict[str, list[str]] = {"tokenizer": [f"tokenizer-{i}" for i in range(args.tokenizers)]}
+    if "gateway" in ROLES and not args.tokenizer_only:
+        roles["router"] = ["router-0"]
+        if args.aggregated:
+            roles["worker"] = [f"worker-{i}" for i in range(args.workers)]
+        else:
+            roles["prefill"] = [f"prefill-{i}" for i in range(args.prefill)]
+            roles["decode"] = [f"decode-{i}" for i in range(args.decode)]
+        roles["gateway"] = ["gateway-0"]
+    py = sys.executable
+    children = []
+    for role, ids in roles.items():
+        for wid in ids:
+            argv = [py, "-m", "services.cli", "serve", role, "--worker-id", wid, "--nats-url", nats_url]
+            if role in ("tokenizer", "prefill", "decode", "worker"):
+                argv += ["--model", str(model_dir)]
+            if role in ("prefill", "decode", "worker"):
+                argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--num-threads", str(args.num_threads),
+                         *shlex.split(args.engine_args)]
+                if role != "worker":
+                    argv += ["--kv-transfer", args.kv_transfer]
+            if role == "gateway":
+                argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
+            children.append(Child(wid, argv))
+    return roles, children
 
 
 async def up(args: argparse.Namespace) -> int:
@@ -164,13 +217,14 @@ async def up(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.05)
         say(f"NATS: {nats_url}")
 
-        roles: dict[str, list[str]] = {"tokenizer": [f"tokenizer-{i}" for i in range(args.tokenizers)]}
-        py = sys.executable
-        for role, ids in roles.items():
-            for wid in ids:
-                argv = [py, "-m", "services.cli", "serve", role, "--worker-id", wid, "--nats-url", nats_url,
-                        "--model", str(model_dir)]
-                await supervisor.start(Child(wid, argv))
+        if args.http_port == 0:
+            args.http_port = free_port()
+        elif port_is_taken(args.http_port) and not args.tokenizer_only:
+            say(f"error: HTTP port {args.http_port} is taken; pass --http-port 0 for a free one")
+            return 1
+        roles, children = plan(args, nats_url, model_dir)
+        for child in children:
+            await supervisor.start(child)
 
         bus = await connect(BusConfig(nats_url=nats_url))
         try:
@@ -184,11 +238,19 @@ async def up(args: argparse.Namespace) -> int:
                 return 130
             stopper.cancel()
             waiter.result()
-            result = await first_request(bus)
+            result = await first_request(bus, roles)
             say(f"ready in {time.monotonic() - t0:.1f}s: "
                 + ", ".join(f"{len(ids)} {role}" for role, ids in roles.items()))
             say(f"served: {result}")
-            say(f"call it:  kvbus call {result.split(' ', 1)[0]} '{{\"text\": \"your text\"}}' --nats-url {nats_url}")
+            if "gateway" in roles:
+                port = args.http_port
+                say(f"HTTP (OpenAI API): http://{args.http_host}:{port}/v1  (curl http://{args.http_host}:{port}"
+                    "/v1/chat/completions -H 'Content-Type: application/json' -d '{"
+                    "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}')")
+                say(f"call over NATS: kvbus call kvbus.v1.generate '{{\"prompt\": \"Once upon a time\"}}' --nats-url {nats_url}")
+            else:
+                say(f"call it:  kvbus call kvbus.v1.tokenizer.encode '{{\"text\": \"your text\"}}' "
+                    f"--nats-url {nats_url}")
             say("traces: set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4318) before `kvbus up`")
             if args.exit_after_ready:
                 return 0
@@ -219,11 +281,24 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     parser.add_argument("--nats-port", type=int, default=4222, help="port for the started nats-server (0: free port)")
     parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated mode)")
+    parser.add_argument("--aggregated", action="store_true", help="aggregated workers instead of prefill/decode")
+    parser.add_argument("--workers", type=int, default=1, help="aggregated workers (with --aggregated)")
+    parser.add_argument("--tokenizer-only", action="store_true", help="start only the tokenizer service")
+    parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "nats"])
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GB of KV cache per engine worker")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per engine worker (0: all cores)")
+    parser.add_argument("--engine-args", default="",
+                        help="more options for every engine worker, e.g. \"--max-running-requests 8 --page-size 32\"")
+    parser.add_argument("--http-host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--exit-after-ready", action="store_true",
                         help="stop everything once the first request was served (smoke test)")
     parser.add_argument("--quiet", action="store_true", help="don't stream service logs")
     args = parser.parse_args(argv)
-    if args.tokenizers < 1:
-        parser.error("--tokenizers must be >= 1")
+    for name in ("tokenizers", "prefill", "decode", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
     return asyncio.run(up(args))

@@ -140,8 +140,9 @@ class GenerationPipeline:
         error: BusError | None = None
         try:
             prompt_ids = await self.prompt_token_ids(req)
+            timings = {"tokenize_s": time.monotonic() - started}
             last = None
-            async for chunk in self._stream_from_worker(req, prompt_ids, request_id, started):
+            async for chunk in self._stream_from_worker(req, prompt_ids, request_id, started, timings):
                 now = time.monotonic()
                 if chunk.token_ids:
                     if last is None:
@@ -154,7 +155,8 @@ class GenerationPipeline:
                     self.metrics.observe_usage(chunk.usage)
                     self.metrics.e2e.observe(now - started)
                 yield GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
-                                    finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs)
+                                    finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
+                                    timings={**timings, **chunk.timings} if chunk.timings else None)
         except BusError as exc:
             error = exc
             raise
@@ -191,14 +193,16 @@ class GenerationPipeline:
                              logprobs=logprobs if req.sampling.logprobs is not None else None)
 
     async def _stream_from_worker(self, req: GenerateRequest, prompt_ids: list[int], request_id: str,
-                                  started: float) -> AsyncIterator[TokenChunk]:
+                                  started: float, timings: dict[str, float]) -> AsyncIterator[TokenChunk]:
         deadline = started + self.config.generate_timeout
         excluded: list[str] = []
         for attempt in range(MAX_ATTEMPTS):
+            t_route = time.monotonic()
             route = await self.bus.request(
                 ROUTE, RouteRequest(request_id=request_id, prompt_token_ids=prompt_ids, session_id=req.session_id,
                                     exclude_worker_ids=excluded),
                 timeout=self.config.call_timeout)
+            timings["route_s"] = time.monotonic() - t_route
             # One id per attempt (the worker's engine and the bus's cancel both key on it), distinct from
             # the caller's: a caller's cancel reaches the worker only through this gateway closing the stream.
             worker_request_id = f"{request_id}-{attempt}"

@@ -74,7 +74,8 @@ class Router:
         if prefill is not None:
             self.workers.note_routed(prefill.worker_id, num_prefill_tokens=num_prefill)
         return RouteReply(decode_worker_id=decode.worker_id,
-                          prefill_worker_id=prefill.worker_id if prefill else None, policy=self.policy.name)
+                          prefill_worker_id=prefill.worker_id if prefill else None, policy=self.policy.name,
+                          prefill_host_id=prefill.host_id if prefill else None)
 
     # --- steps ------------------------------------------------------------------------
     def _pool(self, roles: Sequence[str], excluded: set[str]) -> list[WorkerState]:

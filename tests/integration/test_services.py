@@ -148,7 +148,7 @@ def test_sigterm_drains_in_flight_and_exits_cleanly(nats_url, model_dir):
 def test_kvbus_up_serves_a_first_request(model_dir):
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", "--nats-port", "0", "--exit-after-ready",
-         "--model", str(model_dir), "--tokenizers", "2"],
+         "--model", str(model_dir), "--tokenizers", "2", "--tokenizer-only"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert out.returncode == 0, out.stdout + out.stderr

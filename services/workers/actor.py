@@ -1,0 +1,162 @@
+"""Engine workers on the bus: the aggregated worker and the decode worker.
+
+Both serve ``kvbus.v1.worker.{id}.generate``: a WorkerGenerateRequest in, a
+stream of TokenChunks out. The aggregated worker (role ``worker``) prefills
+and decodes in its own engine; the decode worker (role ``decode``) receives the
+prompt's KV pages from a prefill worker when the router names one, and prefills
+locally otherwise (short prompts: conditional disaggregation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from bus.errors import InvalidArgument, Overloaded, Unavailable
+from bus.subjects import WORKER_GENERATE, WORKER_HEARTBEAT
+from schemas.engine import RequestOutput
+from schemas.worker import TokenChunk, WorkerGenerateRequest, WorkerHeartbeatEvent, WorkerLoad
+from services.actor import Actor
+from services.workers.config import WorkerConfig, default_host_id
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker(Actor):
+    """What every engine-holding role shares: the engine, admission, heartbeats."""
+
+    config_class = WorkerConfig
+
+    def __init__(self, config: WorkerConfig, *, worker_id: str | None = None, engine=None):
+        super().__init__(config, worker_id=worker_id)
+        self.engine = engine
+        self.host_id = config.host_id or default_host_id()
+        self._heartbeat_task: asyncio.Task | None = None
+        self.is_draining = False
+        self.num_admitting = 0
+        """Requests admitted but not yet in the engine (prefilling remotely, or receiving KV)."""
+
+    async def setup(self) -> None:
+        if self.engine is None:
+            from services.engine import LLMEngine
+
+            self.engine = await asyncio.to_thread(LLMEngine, self.config.engine_config)
+
+    async def start(self, bus) -> None:
+        await super().start(bus)
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            self._heartbeat_task = None
+        if self.bus is not None:  # a last word so the router drops us at once
+            self.is_draining = True
+            try:
+                await self.bus.publish(WORKER_HEARTBEAT, self.heartbeat())
+            except Exception:
+                pass
+        if self.engine is not None:
+            await self.engine.aclose()
+
+    # --- load and admission -------------------------------------------------------------
+    def load(self) -> WorkerLoad:
+        engine = self.engine
+        bm = engine.block_manager
+        waiting = list(engine.scheduler.waiting)
+        return WorkerLoad(
+            num_running=engine.num_running, num_waiting=engine.num_waiting + self.num_admitting,
+            num_free_pages=bm.num_free_pages, num_total_pages=bm.num_pages,
+            num_queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+        )
+
+    def heartbeat(self) -> WorkerHeartbeatEvent:
+        return WorkerHeartbeatEvent(
+            worker_id=self.worker_id, role=self.role, host_id=self.host_id, load=self.load(),
+            model=self.engine.model_dir.name, page_size=self.config.page_size,
+            transfer_backends=["shm", "nats"], interval_s=self.config.heartbeat_interval,
+            is_draining=self.is_draining or not self.is_ready,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.bus.publish(WORKER_HEARTBEAT, self.heartbeat())
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    def admit(self) -> None:
+        """Refuse work past max_running_requests plus the bounded queue."""
+        engine = self.engine
+        limit = self.config.max_running_requests + self.config.max_queue
+        in_system = engine.num_running + engine.num_waiting + self.num_admitting
+        if in_system >= limit:
+            raise Overloaded(f"worker {self.worker_id} is full: {engine.num_running} running, "
+                             f"{engine.num_waiting + self.num_admitting} waiting (limit {limit})")
+        if self.is_draining:
+            raise Unavailable(f"worker {self.worker_id} is draining")
+
+    def health_detail(self) -> dict[str, str]:
+        if self.engine is None:
+            return {}
+        load = self.load()
+        return {"running": str(load.num_running), "waiting": str(load.num_waiting),
+                "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
+
+
+async def coalesce(outputs: AsyncIterator[RequestOutput], interval: int,
+                   first_timings: dict[str, float] | None = None) -> AsyncIterator[TokenChunk]:
+    """Group engine outputs into chunks of ``interval`` tokens (the last chunk may be shorter)."""
+    ids: list[int] = []
+    text: list[str] = []
+    logprobs: list = []
+    timings = first_timings
+    async for out in outputs:
+        ids += out.new_token_ids
+        text.append(out.new_text)
+        if out.logprobs:
+            logprobs += out.logprobs
+        if out.finished or len(ids) >= interval:
+            yield TokenChunk(token_ids=ids, text="".join(text), finish_reason=out.finish_reason,
+                             usage=out.usage, logprobs=logprobs or None, timings=timings)
+            ids, text, logprobs, timings = [], [], [], None
+            if out.finished:
+                return
+
+
+class WorkerActor(EngineWorker):
+    """Aggregated worker: prefill and decode in one engine."""
+
+    role = "worker"
+
+    def routes(self):
+        return [(WORKER_GENERATE, self.handle_generate, {"worker_id": self.worker_id})]
+
+    async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
+        if req.prefill_worker_id is not None:
+            raise InvalidArgument(f"worker {self.worker_id} is aggregated: it takes no prefill worker")
+        self.admit()
+        t0 = time.monotonic()
+        from services.engine import RequestError
+
+        try:
+            outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+            first = await anext(outputs)
+        except RequestError as exc:
+            raise InvalidArgument(str(exc)) from None
+        except StopAsyncIteration:
+            return
+
+        async def chained():
+            yield first
+            async for out in outputs:
+                yield out
+
+        interval = max(req.stream_interval, self.config.stream_interval)
+        async for chunk in coalesce(chained(), interval, {"first_token_s": time.monotonic() - t0}):
+            yield chunk

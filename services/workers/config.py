@@ -1,0 +1,47 @@
+"""Configuration of the engine workers (prefill, decode, aggregated): the engine's plus serving knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+from services.config import ConfigError
+from services.engine.config import EngineConfig
+
+TRANSFER_BACKENDS = ("auto", "shm", "nats")
+
+
+def default_host_id() -> str:
+    return socket.gethostname()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(EngineConfig):
+    max_queue: int = 64
+    """Requests that may wait for a batch slot beyond max_running_requests; past it callers get overloaded."""
+    stream_interval: int = 1
+    """Default tokens per streamed chunk (a request may ask for more)."""
+    heartbeat_interval: float = 1.0
+    """Seconds between WorkerHeartbeatEvents to the router."""
+    kv_transfer: str = "auto"
+    """KV transfer backend: auto (shm on the same host, else nats), shm or nats."""
+    transfer_timeout: float = 30.0
+    """Seconds a KV transfer may take before it is abandoned and its pages freed."""
+    host_id: str | None = None
+    """Identity of this machine for shared-memory transfer; default: the host name."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_queue < 0:
+            raise ConfigError(f"WorkerConfig.max_queue must be >= 0, got {self.max_queue}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"WorkerConfig.stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.heartbeat_interval > 0 or not self.transfer_timeout > 0:
+            raise ConfigError("WorkerConfig.heartbeat_interval and transfer_timeout must be > 0")
+        if self.kv_transfer not in TRANSFER_BACKENDS:
+            raise ConfigError(f"WorkerConfig.kv_transfer must be one of {', '.join(TRANSFER_BACKENDS)}")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{n: getattr(self, n) for n in names})

@@ -1,0 +1,115 @@
+"""Decode worker: takes prefilled requests (KV pages from a prefill worker) into its batch.
+
+When the router names no prefill worker (short prompts, no prefill worker
+alive) the decode worker prefills locally. A prefill or transfer that fails is
+retried once locally, so a dead prefill worker costs time, never the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from bus.errors import BusError, InvalidArgument
+from bus.subjects import PREFILL, WORKER_GENERATE
+from schemas.worker import PrefillRequest, TokenChunk, WorkerGenerateRequest
+from services.workers.actor import EngineWorker, coalesce
+
+log = logging.getLogger(__name__)
+
+
+class DecodeActor(EngineWorker):
+    role = "decode"
+
+    def __init__(self, config, *, worker_id=None, engine=None):
+        super().__init__(config, worker_id=worker_id, engine=engine)
+        self.receiver = None
+        self.num_remote_prefills = 0
+        self.num_local_prefills = 0
+        self.num_prefill_failures = 0
+        self.num_transfers = {"shm": 0, "nats": 0}
+
+    def routes(self):
+        return [(WORKER_GENERATE, self.handle_generate, {"worker_id": self.worker_id})]
+
+    async def start(self, bus) -> None:
+        from services.transfer import KVReceiver
+
+        self.receiver = await KVReceiver.open(bus, self.worker_id, self.host_id, self.config.kv_transfer)
+        await super().start(bus)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.receiver is not None:
+            await self.receiver.close()
+
+    async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
+        from services.engine import RequestError
+
+        self.admit()
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        outputs = None
+        self.num_admitting += 1
+        try:
+            if req.prefill_worker_id is not None:
+                try:
+                    outputs = await self._remote_prefill(req, timings)
+                except BusError as exc:
+                    if isinstance(exc, InvalidArgument):
+                        raise
+                    self.num_prefill_failures += 1
+                    log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
+                                req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
+            if outputs is None:
+                self.num_local_prefills += 1
+                outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+            first = await anext(outputs)
+        except RequestError as exc:
+            raise InvalidArgument(str(exc)) from None
+        except StopAsyncIteration:
+            return
+        finally:
+            self.num_admitting -= 1
+        timings["first_token_s"] = time.monotonic() - t0
+
+        async def chained():
+            yield first
+            async for out in outputs:
+                yield out
+
+        interval = max(req.stream_interval, self.config.stream_interval)
+        async for chunk in coalesce(chained(), interval, timings):
+            yield chunk
+
+    async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float]):
+        """Prefill on the named worker, receive the pages, and start decoding from them."""
+        transfer_id = uuid.uuid4().hex
+        target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id)
+        t0 = time.monotonic()
+        try:
+            reply = await self.bus.request(
+                PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                        sampling=req.sampling, transfer=target),
+                timeout=self.config.transfer_timeout, worker_id=req.prefill_worker_id)
+            t1 = time.monotonic()
+            kv = await self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout)
+        except BaseException:
+            self.receiver.cancel(transfer_id)
+            raise
+        t2 = time.monotonic()
+        timings.update({**reply.timings, "prefill_call_s": t1 - t0, "transfer_receive_s": t2 - t1})
+        self.num_remote_prefills += 1
+        self.num_transfers[reply.kv.backend] = self.num_transfers.get(reply.kv.backend, 0) + 1
+        return self.engine.generate_prefilled(
+            req.prompt_token_ids, reply.first_token_id, kv, req.sampling, request_id=req.request_id,
+            num_cached_tokens=reply.num_cached_tokens, first_logprob=reply.first_logprob,
+            kv_scales=reply.kv.scales)
+
+    def health_detail(self) -> dict[str, str]:
+        return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),
+                "local_prefills": str(self.num_local_prefills),
+                "prefill_failures": str(self.num_prefill_failures),
+                **{f"transfers_{name}": str(n) for name, n in self.num_transfers.items()}}

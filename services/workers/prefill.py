@@ -1,0 +1,60 @@
+"""Prefill worker: computes prompts' KV pages and first tokens, pushes the pages to decoders.
+
+Prompts from many decoders batch together in the engine (chunked prefill with
+its token budget, prefix cache reuse); each finished prompt's pages are copied
+out, pushed with the KV transfer layer and released to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bus.errors import InvalidArgument
+from bus.subjects import PREFILL
+from schemas.worker import PrefillReply, PrefillRequest
+from services.workers.actor import EngineWorker
+
+
+class PrefillActor(EngineWorker):
+    role = "prefill"
+
+    def __init__(self, config, *, worker_id=None, engine=None):
+        super().__init__(config, worker_id=worker_id, engine=engine)
+        self.sender = None
+        self.num_prefilled = 0
+
+    def routes(self):
+        return [(PREFILL, self.handle_prefill, {"worker_id": self.worker_id})]
+
+    async def start(self, bus) -> None:
+        from services.transfer import KVSender
+
+        self.sender = KVSender(bus, self.worker_id, self.host_id)
+        await super().start(bus)
+
+    async def stop(self) -> None:
+        if self.sender is not None:
+            await self.sender.close()
+        await super().stop()
+
+    async def handle_prefill(self, req: PrefillRequest) -> PrefillReply:
+        from services.engine import RequestError
+
+        self.admit()
+        t0 = time.monotonic()
+        try:
+            result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+        except RequestError as exc:
+            raise InvalidArgument(str(exc)) from None
+        t1 = time.monotonic()
+        descriptor = await self.sender.send(req.transfer, result.kv, scales=result.kv_scales)
+        self.num_prefilled += 1
+        return PrefillReply(
+            first_token_id=result.first_token_id, kv=descriptor, num_cached_tokens=result.num_cached_tokens,
+            first_logprob=result.first_logprob,
+            timings={"prefill_s": t1 - t0, "transfer_send_s": time.monotonic() - t1},
+        )
+
+    def health_detail(self) -> dict[str, str]:
+        return {**super().health_detail(), "prefilled": str(self.num_prefilled)}
