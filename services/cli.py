@@ -29,6 +29,17 @@ def bus_config_from(args: argparse.Namespace) -> BusConfig:
     return cfg.build(BusConfig, given)
 
 
+def serve_parser(role: str, actor_cls: type) -> argparse.ArgumentParser:
+    """The options of ``kvbus serve ROLE``: the bus's, then the role's config fields."""
+    parser = argparse.ArgumentParser(prog=f"kvbus serve {role}", description=actor_cls.__doc__)
+    parser.add_argument("--worker-id", default=os.environ.get("KVBUS_WORKER_ID"),
+                        help="stable id of this replica (default: random) [env KVBUS_WORKER_ID]")
+    parser.add_argument("--log-level", default=os.environ.get("KVBUS_LOG_LEVEL", "INFO"))
+    cfg.add_arguments(parser, BusConfig)
+    cfg.add_arguments(parser, actor_cls.config_class)
+    return parser
+
+
 def cmd_serve(argv: list[str]) -> int:
     from services.registry import ROLES, actor_class
     from services.runner import run_actor
@@ -43,13 +54,7 @@ def cmd_serve(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvbus serve: {exc}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"kvbus serve {role}", description=actor_cls.__doc__)
-    parser.add_argument("--worker-id", default=os.environ.get("KVBUS_WORKER_ID"),
-                        help="stable id of this replica (default: random) [env KVBUS_WORKER_ID]")
-    parser.add_argument("--log-level", default=os.environ.get("KVBUS_LOG_LEVEL", "INFO"))
-    cfg.add_arguments(parser, BusConfig)
-    cfg.add_arguments(parser, actor_cls.config_class)
-    args = parser.parse_args(rest)
+    args = serve_parser(role, actor_cls).parse_args(rest)
     setup_logging(args.log_level)
     try:
         bus_config = bus_config_from(args)

@@ -55,7 +55,7 @@ class LocalSystem:
                 self.nats_url = m.group(1)
             if m := re.search(r"HTTP \(OpenAI API\): (http://\S+)/v1", line):
                 self.http_url = m.group(1)
-            if "[kvbus] served:" in line:
+            if "[kvbus] Ctrl-C stops everything" in line:  # printed last, after every URL
                 self._ready.set()
 
     def log(self, last: int = 200) -> str:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from services.registry import ROLES
+from services.cli import serve_parser
+from services.registry import ROLES, actor_class
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +21,7 @@ def test_compose_services_run_known_roles():
     for name, service in kvbus.items():
         command = service["command"]
         assert command[0] == "serve" and command[1] in ROLES, (name, command)
+        serve_parser(command[1], actor_class(command[1])).parse_args(command[2:])  # exits on a bad flag
         assert service["environment"]["KVBUS_NATS_URL"].startswith("nats://")
 
 
