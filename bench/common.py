@@ -5,34 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
-import time
 
-
-@contextlib.contextmanager
-def nats_server():
-    """A nats-server on a free loopback port, stopped afterwards; yields its URL."""
-    binary = shutil.which("nats-server")
-    if binary is None:
-        raise SystemExit("nats-server not found: apt-get install -y nats-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(200):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.025)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+from services.natsd import local_nats_server as nats_server  # noqa: F401  (re-exported for the benches)
 
 
 def percentile(values: list[float], q: float) -> float:

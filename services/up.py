@@ -15,12 +15,12 @@ import os
 import shutil
 import shlex
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
 from bus.nats_transport import BusConfig
+from services.natsd import free_port, port_is_taken
 
 
 @dataclass
@@ -30,17 +30,6 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_is_taken(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def say(text: str) -> None:

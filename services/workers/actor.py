@@ -109,14 +109,20 @@ class EngineWorker(Actor):
                 "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
 
 
-async def coalesce(outputs: AsyncIterator[RequestOutput], interval: int,
+async def coalesce(first: RequestOutput, rest: AsyncIterator[RequestOutput], interval: int,
                    first_timings: dict[str, float] | None = None) -> AsyncIterator[TokenChunk]:
     """Group engine outputs into chunks of ``interval`` tokens (the last chunk may be shorter)."""
     ids: list[int] = []
     text: list[str] = []
     logprobs: list = []
     timings = first_timings
-    async for out in outputs:
+
+    async def outputs():
+        yield first
+        async for out in rest:
+            yield out
+
+    async for out in outputs():
         ids += out.new_token_ids
         text.append(out.new_text)
         if out.logprobs:
@@ -138,25 +144,29 @@ class WorkerActor(EngineWorker):
         return [(WORKER_GENERATE, self.handle_generate, {"worker_id": self.worker_id})]
 
     async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
-        if req.prefill_worker_id is not None:
-            raise InvalidArgument(f"worker {self.worker_id} is aggregated: it takes no prefill worker")
-        self.admit()
-        t0 = time.monotonic()
         from services.engine import RequestError
 
+        self.admit()
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        self.num_admitting += 1
         try:
-            outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+            outputs = await self.start_outputs(req, timings)
             first = await anext(outputs)
         except RequestError as exc:
             raise InvalidArgument(str(exc)) from None
         except StopAsyncIteration:
             return
-
-        async def chained():
-            yield first
-            async for out in outputs:
-                yield out
-
+        finally:
+            self.num_admitting -= 1
+        timings["first_token_s"] = time.monotonic() - t0
         interval = max(req.stream_interval, self.config.stream_interval)
-        async for chunk in coalesce(chained(), interval, {"first_token_s": time.monotonic() - t0}):
+        async for chunk in coalesce(first, outputs, interval, timings):
             yield chunk
+
+    async def start_outputs(self, req: WorkerGenerateRequest,
+                            timings: dict[str, float]) -> AsyncIterator[RequestOutput]:
+        """The engine's output stream for ``req`` (here: prefill locally)."""
+        if req.prefill_worker_id is not None:
+            raise InvalidArgument(f"worker {self.worker_id} is aggregated: it takes no prefill worker")
+        return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from bus.errors import BusError, InvalidArgument
-from bus.subjects import PREFILL, WORKER_GENERATE
-from schemas.worker import PrefillRequest, TokenChunk, WorkerGenerateRequest
-from services.workers.actor import EngineWorker, coalesce
+from bus.subjects import PREFILL
+from schemas.worker import PrefillRequest, WorkerGenerateRequest
+from services.workers.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
 
-class DecodeActor(EngineWorker):
+class DecodeActor(WorkerActor):
     role = "decode"
 
     def __init__(self, config, *, worker_id=None, engine=None):
@@ -30,9 +29,6 @@ class DecodeActor(EngineWorker):
         self.num_local_prefills = 0
         self.num_prefill_failures = 0
         self.num_transfers = {"shm": 0, "nats": 0}
-
-    def routes(self):
-        return [(WORKER_GENERATE, self.handle_generate, {"worker_id": self.worker_id})]
 
     async def start(self, bus) -> None:
         from services.transfer import KVReceiver
@@ -45,44 +41,18 @@ class DecodeActor(EngineWorker):
         if self.receiver is not None:
             await self.receiver.close()
 
-    async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
-        from services.engine import RequestError
-
-        self.admit()
-        t0 = time.monotonic()
-        timings: dict[str, float] = {}
-        outputs = None
-        self.num_admitting += 1
-        try:
-            if req.prefill_worker_id is not None:
-                try:
-                    outputs = await self._remote_prefill(req, timings)
-                except BusError as exc:
-                    if isinstance(exc, InvalidArgument):
-                        raise
-                    self.num_prefill_failures += 1
-                    log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
-                                req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
-            if outputs is None:
-                self.num_local_prefills += 1
-                outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
-            first = await anext(outputs)
-        except RequestError as exc:
-            raise InvalidArgument(str(exc)) from None
-        except StopAsyncIteration:
-            return
-        finally:
-            self.num_admitting -= 1
-        timings["first_token_s"] = time.monotonic() - t0
-
-        async def chained():
-            yield first
-            async for out in outputs:
-                yield out
-
-        interval = max(req.stream_interval, self.config.stream_interval)
-        async for chunk in coalesce(chained(), interval, timings):
-            yield chunk
+    async def start_outputs(self, req: WorkerGenerateRequest, timings: dict[str, float]):
+        if req.prefill_worker_id is not None:
+            try:
+                return await self._remote_prefill(req, timings)
+            except BusError as exc:
+                if isinstance(exc, InvalidArgument):
+                    raise
+                self.num_prefill_failures += 1
+                log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
+                            req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
+        self.num_local_prefills += 1
+        return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
 
     async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float]):
         """Prefill on the named worker, receive the pages, and start decoding from them."""

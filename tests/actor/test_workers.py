@@ -1,0 +1,106 @@
+"""Prefill and decode workers with real engines on the in-memory bus."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from bus import errors
+from bus.memory import MemoryNetwork, memory_bus
+from bus.subjects import WORKER_GENERATE
+from schemas.engine import SamplingParams
+from schemas.worker import WorkerGenerateRequest
+from services.workers import WorkerConfig
+from services.workers.decode import DecodeActor
+from services.workers.prefill import PrefillActor
+
+pytestmark = pytest.mark.anyio
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+PROMPT = list(range(1000, 1077))  # 77 tokens: 4 full pages and a partial one
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    from services.engine import LLMEngine
+
+    config = WorkerConfig(model=str(model_dir), kv_cache_memory=0.1, max_running_requests=2, max_queue=1)
+    return config, LLMEngine(config.engine_config), LLMEngine(config.engine_config)
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    _, engine, _ = engines
+    return engine.generate_sync([PROMPT], GREEDY)[0].token_ids
+
+
+@pytest.fixture
+async def system(engines):
+    config, prefill_engine, decode_engine = engines
+    network = MemoryNetwork()
+    buses = [memory_bus(network) for _ in range(3)]
+    prefill = PrefillActor(config, worker_id="prefill-0", engine=prefill_engine)
+    decode = DecodeActor(config.replace(kv_transfer="nats"), worker_id="decode-0", engine=decode_engine)
+    await prefill.start(buses[0])
+    await decode.start(buses[1])
+    yield prefill, decode, buses[2]
+    for bus in buses:
+        await bus.drain(timeout=5)
+    for actor in (prefill, decode):  # stops the engines' async drivers; the module reuses the engines
+        await actor.stop()
+
+
+async def generate(client, prefill_worker_id: str | None, params=GREEDY) -> list[int]:
+    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=params,
+                                prefill_worker_id=prefill_worker_id, stream_interval=2)
+    out: list[int] = []
+    async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
+        async for chunk in chunks:
+            out += chunk.token_ids
+    return out
+
+
+def all_pages_free(*actors) -> bool:
+    return all(a.engine.block_manager.num_free_pages == a.engine.block_manager.num_pages
+               and a.engine.num_running == 0 and a.engine.num_waiting == 0 for a in actors)
+
+
+async def test_remote_prefill_matches_the_engine(system, reference):
+    prefill, decode, client = system
+    assert await generate(client, "prefill-0") == reference
+    assert decode.num_remote_prefills == 1 and decode.num_transfers["nats"] == 1
+    assert prefill.num_prefilled == 1 and decode.num_local_prefills == 0
+
+
+async def test_dead_prefill_worker_falls_back_to_local_prefill(system, reference):
+    prefill, decode, client = system
+    assert await generate(client, "prefill-gone") == reference
+    assert decode.num_prefill_failures == 1 and decode.num_local_prefills == 1
+    assert decode.receiver.num_expected == 0  # the abandoned transfer was dropped
+
+
+async def test_cancel_mid_stream_frees_pages_on_both_workers(system):
+    prefill, decode, client = system
+    req = WorkerGenerateRequest(request_id="long", prompt_token_ids=PROMPT, prefill_worker_id="prefill-0",
+                                sampling=SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
+        async for chunk in chunks:
+            break
+    for _ in range(100):
+        if all_pages_free(prefill, decode):
+            break
+        await asyncio.sleep(0.05)
+    assert all_pages_free(prefill, decode)
+
+
+async def test_full_worker_answers_overloaded(system):
+    prefill, decode, client = system
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    tasks = [asyncio.create_task(generate(client, "prefill-0", long)) for _ in range(3)]  # 2 running + 1 queued
+    await asyncio.sleep(0.5)
+    with pytest.raises(errors.Overloaded, match="full"):
+        await generate(client, "prefill-0", long)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
