@@ -138,7 +138,11 @@ def cmd_call(argv: list[str]) -> int:
             await bus.close()
         return 0
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except BrokenPipeError:  # `kvbus call ... | head`: the reader left; leaving closes the stream
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
