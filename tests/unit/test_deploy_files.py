@@ -32,3 +32,15 @@ def test_readme_starts_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in block] == [
         "bash deploy/bootstrap.sh up", "bash deploy/bootstrap.sh test"]
     assert "bootstrap.sh test" in (ROOT / ".ci/run").read_text()
+
+
+def test_kubernetes_deployments_run_known_roles_with_valid_flags():
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/kvbus.yaml").read_text()))
+    deployments = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("kvbus-")]
+    roles = set()
+    for d in deployments:
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[0] == "serve" and args[1] in ROLES, args
+        serve_parser(args[1], actor_class(args[1])).parse_args(args[2:])
+        roles.add(args[1])
+    assert {"tokenizer", "router", "gateway", "prefill", "decode"} <= roles
