@@ -37,6 +37,12 @@ def check_attention(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scal
         check_scale(v_scale, num_kv_heads, "v_scale")
 
 
+def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> None:
+    check_attention(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
+
+
 def head_major(cache: torch.Tensor, page_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """Gather pages [B * n] of a [num_pages, P, Hkv, D] cache into float32 [B, Hkv, n * P, D].
 
@@ -74,9 +80,7 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_attention(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
-    if q.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
+    check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -264,9 +268,7 @@ def paged_decode_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_attention(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
-    if q.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
+    check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     require_triton(q, k_cache)
     check_tables_in_bounds(k_cache, block_tables, seq_lens)
     launch = attention_launch_args(q, k_cache, k_scale, v_scale)
