@@ -140,8 +140,9 @@ class Bus:
         self._pending: dict[str, asyncio.Future | asyncio.Queue] = {}
         self._subscriptions: list[Subscription] = []
         self._inflight: set[asyncio.Task] = set()
-        self._tasks_by_request: dict[str, asyncio.Task] = {}
-        self._cancelled: set[str] = set()
+        self._tasks_by_request: dict[str, set[asyncio.Task]] = {}
+        self._cancelled: set[asyncio.Task] = set()
+        """Handler tasks cancelled by their caller (a CancelEvent), not by a shutdown."""
         self._cancel_sub: Subscription | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -263,7 +264,9 @@ class Bus:
         if self._inflight:
             done, pending = await asyncio.wait(set(self._inflight), timeout=timeout)
             for task in pending:
-                task.cancel()
+                task.cancel()  # each answers its caller "unavailable" before the connection closes
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
         await self.close()
 
     async def close(self) -> None:
@@ -315,9 +318,8 @@ class Bus:
     async def _listen_for_cancels(self) -> None:
         if self._cancel_sub is None:
             async def on_cancel(event: CancelEvent) -> None:
-                task = self._tasks_by_request.get(event.request_id)
-                if task is not None:
-                    self._cancelled.add(event.request_id)
+                for task in list(self._tasks_by_request.get(event.request_id, ())):
+                    self._cancelled.add(task)
                     task.cancel()
 
             self._cancel_sub = await self.subscribe(CANCEL, on_cancel)
@@ -352,16 +354,20 @@ class Bus:
                 message = decode(raw.data, subject.request, enc)
                 args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
                     if wants_ctx else (message,)
-                self._tasks_by_request[request_id] = asyncio.current_task()
+                self._tasks_by_request.setdefault(request_id, set()).add(asyncio.current_task())
                 if subject.streamed:
                     await self._handle_stream(handler, args, raw, enc, base)
                 else:
                     reply = await handler(*args)
                     await self._reply(raw, encode(reply, enc), base)
             except asyncio.CancelledError:
-                # The caller gave up (CancelEvent), or the service is shutting down.
+                # The caller gave up (CancelEvent): nobody is listening. Otherwise the service is
+                # shutting down: say so, so the caller retries elsewhere instead of timing out.
                 span.set_attribute("kvbus.cancelled", True)
-                if request_id not in self._cancelled and not self._closed:
+                if asyncio.current_task() not in self._cancelled:
+                    if not self._closed:
+                        error = Unavailable(f"{subject.template} is shutting down (request id {request_id})")
+                        await asyncio.shield(self._reply(raw, b"", {**base, **error.to_headers()}))
                     raise
             except BusError as exc:
                 tracing.mark_error(span, exc.code.value, exc.message)
@@ -372,8 +378,13 @@ class Bus:
                 tracing.mark_error(span, error.code.value, error.message)
                 await self._reply(raw, b"", {**base, **error.to_headers()})
             finally:
-                self._tasks_by_request.pop(request_id, None)
-                self._cancelled.discard(request_id)
+                task = asyncio.current_task()
+                tasks = self._tasks_by_request.get(request_id)
+                if tasks is not None:
+                    tasks.discard(task)
+                    if not tasks:
+                        del self._tasks_by_request[request_id]
+                self._cancelled.discard(task)
 
     async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
                              base: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ event loop stays free; requests reach the engine through its mailbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import logging
 import uuid
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence as Seq
 import torch
 
 from schemas.engine import RequestOutput, SamplingParams, TokenLogprob
-from services.engine.outputs import PrefillResult
+from services.engine.outputs import PrefillResult, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,12 @@ class AsyncEngineMixin:
         The pages go back to this engine's prefix cache; cancelling aborts the request.
         """
         request_id = request_id or uuid.uuid4().hex
-        async for out in self._stream(request_id, lambda: self.add_prefill_request(request_id, prompt, params)):
-            if out.finished:
-                break
+        out = None
+        async with contextlib.aclosing(
+                self._stream(request_id, lambda: self.add_prefill_request(request_id, prompt, params))) as outputs:
+            async for out in outputs:
+                if out.finished:
+                    break
         result = self.take_prefill_result(request_id)
         if result is None:
             raise RuntimeError(f"prefill of {request_id!r} produced no pages ({out.finish_reason})")
@@ -82,6 +86,8 @@ class AsyncEngineMixin:
             first_logprob=first_logprob, kv_scales=kv_scales))
 
     async def _stream(self, request_id: str, submit) -> AsyncIterator[RequestOutput]:
+        if request_id in self._queues:
+            raise RequestError(f"request id {request_id!r} is already streaming")
         queue: asyncio.Queue = asyncio.Queue()
         self._ensure_loop()
         submit()
@@ -96,7 +102,8 @@ class AsyncEngineMixin:
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(request_id, None)
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
             if not finished:
                 self.abort(request_id)
                 if self._wakeup is not None:

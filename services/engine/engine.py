@@ -281,6 +281,8 @@ class LLMEngine(AsyncEngineMixin):
                 seq = self._seqs.get(item)
                 if seq is not None:
                     outputs.append(self._finish(seq, "abort", []))
+                else:  # a prefill that finished before its caller gave up: drop its copied pages
+                    self._prefill_results.pop(item, None)
         return outputs
 
     def _write_imported_pages(self, seq: Sequence) -> None:

@@ -10,6 +10,7 @@ locally otherwise (short prompts: conditional disaggregation).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -92,14 +93,14 @@ class EngineWorker(Actor):
 
     def admit(self) -> None:
         """Refuse work past max_running_requests plus the bounded queue."""
+        if self.is_draining:  # before the capacity check: unavailable sends the caller elsewhere
+            raise Unavailable(f"worker {self.worker_id} is draining")
         engine = self.engine
         limit = self.config.max_running_requests + self.config.max_queue
         in_system = engine.num_running + engine.num_waiting + self.num_admitting
         if in_system >= limit:
             raise Overloaded(f"worker {self.worker_id} is full: {engine.num_running} running, "
                              f"{engine.num_waiting + self.num_admitting} waiting (limit {limit})")
-        if self.is_draining:
-            raise Unavailable(f"worker {self.worker_id} is draining")
 
     def health_detail(self) -> dict[str, str]:
         if self.engine is None:
@@ -118,21 +119,23 @@ async def coalesce(first: RequestOutput, rest: AsyncIterator[RequestOutput], int
     timings = first_timings
 
     async def outputs():
-        yield first
-        async for out in rest:
-            yield out
+        async with contextlib.aclosing(rest):  # leaving early aborts the engine request now, not at GC
+            yield first
+            async for out in rest:
+                yield out
 
-    async for out in outputs():
-        ids += out.new_token_ids
-        text.append(out.new_text)
-        if out.logprobs:
-            logprobs += out.logprobs
-        if out.finished or len(ids) >= interval:
-            yield TokenChunk(token_ids=ids, text="".join(text), finish_reason=out.finish_reason,
-                             usage=out.usage, logprobs=logprobs or None, timings=timings)
-            ids, text, logprobs, timings = [], [], [], None
-            if out.finished:
-                return
+    async with contextlib.aclosing(outputs()) as stream:
+        async for out in stream:
+            ids += out.new_token_ids
+            text.append(out.new_text)
+            if out.logprobs:
+                logprobs += out.logprobs
+            if out.finished or len(ids) >= interval:
+                yield TokenChunk(token_ids=ids, text="".join(text), finish_reason=out.finish_reason,
+                                 usage=out.usage, logprobs=logprobs or None, timings=timings)
+                ids, text, logprobs, timings = [], [], [], None
+                if out.finished:
+                    return
 
 
 class WorkerActor(EngineWorker):
@@ -161,8 +164,9 @@ class WorkerActor(EngineWorker):
             self.num_admitting -= 1
         timings["first_token_s"] = time.monotonic() - t0
         interval = max(req.stream_interval, self.config.stream_interval)
-        async for chunk in coalesce(first, outputs, interval, timings):
-            yield chunk
+        async with contextlib.aclosing(coalesce(first, outputs, interval, timings)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def start_outputs(self, req: WorkerGenerateRequest,
                             timings: dict[str, float]) -> AsyncIterator[RequestOutput]:

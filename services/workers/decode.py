@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 
-from bus.errors import BusError, InvalidArgument
+from bus.errors import BusError, InvalidArgument, Unavailable
 from bus.subjects import PREFILL
 from schemas.worker import PrefillRequest, WorkerGenerateRequest
 from services.workers.actor import WorkerActor
@@ -65,7 +65,11 @@ class DecodeActor(WorkerActor):
                                         sampling=req.sampling, transfer=target),
                 timeout=self.config.transfer_timeout, worker_id=req.prefill_worker_id)
             t1 = time.monotonic()
-            kv = await self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout)
+            try:
+                kv = await self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout)
+            except InvalidArgument as exc:  # a fault between the workers, not in the caller's request
+                raise Unavailable(f"KV transfer {transfer_id} from {req.prefill_worker_id} failed: "
+                                  f"{exc.message}") from None
         except BaseException:
             self.receiver.cancel(transfer_id)
             raise

@@ -344,3 +344,20 @@ async def test_caller_giving_up_on_a_request_cancels_the_handler(make_bus):
     with pytest.raises(errors.Timeout):
         await client.request(DEBUG_ECHO, EchoRequest(), timeout=0.3)
     await asyncio.wait_for(cancelled.wait(), 5)
+
+
+async def test_shutdown_answers_in_flight_callers_unavailable(make_bus):
+    """A server that drains past its timeout tells its callers, so they retry elsewhere at once."""
+    server, client = await make_bus(), await make_bus()
+
+    async def stuck(req: EchoRequest) -> EchoReply:
+        await asyncio.sleep(60)
+        return EchoReply()
+
+    await server.serve(DEBUG_ECHO, stuck)
+    await settle(server)
+    call = asyncio.create_task(client.request(DEBUG_ECHO, EchoRequest(), timeout=30))
+    await asyncio.sleep(0.2)
+    await server.drain(timeout=0.2)
+    with pytest.raises(errors.Unavailable, match="shutting down"):
+        await asyncio.wait_for(call, 5)
