@@ -54,20 +54,21 @@ class TokenizerCore:
 
     def __init__(self, model_dir: Path):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from services.engine.model_config import ModelConfig
 
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(f"{model_dir}: kvbus needs a fast (tokenizers) tokenizer")
-        config = AutoConfig.from_pretrained(str(model_dir))
-        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        config = ModelConfig.from_dir(self.model_dir)
+        self.context_length = config.max_position_embeddings
         self.vocab_size = len(self.tokenizer)
-        eos = getattr(config, "eos_token_id", None)
-        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+        eos_ids = list(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = [int(i) for i in eos_ids]
+        self.eos_token_ids = eos_ids
         self.bos_token_id = self.tokenizer.bos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
         self.name = self.model_dir.name
@@ -98,6 +99,15 @@ class TokenizerCore:
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
             context_length=self.context_length, has_chat_template=bool(self.tokenizer.chat_template),
         )
+
+
+def _batch_option(job: "_Job") -> bool | None:
+    """The per-request option that must be equal within one batch call."""
+    if job.kind == "encode":
+        return job.request.add_special_tokens
+    if job.kind == "decode":
+        return job.request.skip_special_tokens
+    return None
 
 
 @dataclasses.dataclass
@@ -211,9 +221,7 @@ class TokenizerActor(Actor):
         results: list[Any] = [None] * len(jobs)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, job in enumerate(jobs):
-            option = {"encode": lambda r: r.add_special_tokens, "decode": lambda r: r.skip_special_tokens,
-                      "chat": lambda r: None}[job.kind](job.request)
-            groups[(job.kind, option)].append(i)
+            groups[(job.kind, _batch_option(job))].append(i)
         for (kind, option), idx in groups.items():
             reqs = [jobs[i].request for i in idx]
             try:

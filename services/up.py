@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bus.nats_transport import BusConfig
 from services.natsd import free_port, port_is_taken
@@ -29,7 +29,6 @@ class Child:
     argv: list[str]
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def say(text: str) -> None:
@@ -42,7 +41,7 @@ class Supervisor:
         self.quiet = quiet
 
     async def start(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **child.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", }
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C reaches us; we stop children in order

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Folders written without `architectures` (some converters omit it) are judged by model_type.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def architecture_of(config: dict[str, Any]) -> str | None:
+    """The config's architecture, from ``architectures`` or else ``model_type``."""
+    architectures = config.get("architectures") or []
+    return architectures[0] if architectures else _BY_MODEL_TYPE.get(config.get("model_type", ""))
 
 
 class UnsupportedModelError(ValueError):
@@ -66,8 +73,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, c: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        architectures = c.get("architectures") or []
-        arch = architectures[0] if architectures else _BY_MODEL_TYPE.get(c.get("model_type", ""))
+        arch = architecture_of(c)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch or c.get('model_type')!r}; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from schemas.engine import FinishReason, SamplingParams, TokenLogprob
+from schemas.engine import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -53,9 +53,6 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        # Streaming cursors: what the last RequestOutput already carried.
-        self.num_emitted_tokens = 0
-        self.pending_logprobs: list[TokenLogprob] = []
         self.detok = None  # an IncrementalDetokenizer when text is produced
         # Disaggregation: a prefill-only request exports its prompt's pages when it
         # samples its first token; an imported one arrives with those pages.

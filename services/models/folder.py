@@ -13,13 +13,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Folders written without `architectures` (some converters omit it) are judged by model_type.
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# The runtime's own contract (plain json parsing, no torch): one list of what kvbus serves.
+from services.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_of
+
 _SAFETENSORS_ITEMSIZE = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
     "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
@@ -114,13 +110,6 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
-def architecture_of(config: dict) -> str | None:
-    architectures = config.get("architectures") or []
-    if architectures:
-        return architectures[0]
-    return _ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""))
-
-
 def validate_model_dir(model_dir: Path) -> dict:
     """Check a folder is a servable model (config, supported architecture, weights, tokenizer).
 
@@ -141,6 +130,10 @@ def validate_model_dir(model_dir: Path) -> dict:
             f" (model_type {config.get('model_type')!r}); kvbus supports"
             f" {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    try:  # what the runtime itself would refuse (e.g. an activation other than silu)
+        ModelConfig.from_dict(config)
+    except (ValueError, KeyError) as exc:
+        raise ModelError(f"model folder {model_dir} cannot be served: {exc}") from None
     for path in weight_files(model_dir):
         read_safetensors_header(path)
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
@@ -172,12 +165,6 @@ class ModelInfo:
     has_chat_template: bool
 
 
-def _token_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
-
-
 def model_info(model_dir: Path) -> ModelInfo:
     config = validate_model_dir(model_dir)
     generation_path = model_dir / "generation_config.json"
@@ -190,22 +177,22 @@ def model_info(model_dir: Path) -> ModelInfo:
     tokenizer_config = {}
     if tokenizer_config_path.is_file():
         tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    num_heads = config["num_attention_heads"]
+    mc = ModelConfig.from_dict(config, generation)
     return ModelInfo(
         path=model_dir,
-        architecture=architecture_of(config),
+        architecture=mc.architecture,
         num_params=num_params,
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_attention_heads=num_heads,
-        num_key_value_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        vocab_size=config["vocab_size"],
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        vocab_size=mc.vocab_size,
         context_length=config.get("max_position_embeddings", 0),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
-        eos_token_ids=_token_ids(generation.get("eos_token_id", config.get("eos_token_id"))),
+        tie_word_embeddings=mc.tie_word_embeddings,
+        bos_token_id=generation.get("bos_token_id", mc.bos_token_id),
+        eos_token_ids=mc.eos_token_ids,
         has_chat_template=(model_dir / "chat_template.jinja").is_file()
         or (model_dir / "chat_template.json").is_file()
         or bool(tokenizer_config.get("chat_template")),

@@ -7,7 +7,6 @@ out, pushed with the KV transfer layer and released to the prefix cache.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from bus.errors import InvalidArgument

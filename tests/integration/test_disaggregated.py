@@ -27,7 +27,7 @@ import pytest
 
 from bus.errors import BusError
 from bus.nats_transport import BusConfig, connect
-from bus.subjects import GENERATE, GENERATE_ONCE, HEALTH, WORKER_HEALTH
+from bus.subjects import GENERATE, GENERATE_ONCE, WORKER_HEALTH
 from schemas.common import HealthRequest
 from schemas.engine import SamplingParams
 from schemas.generate import GenerateRequest
