@@ -5,7 +5,8 @@
 #   bash deploy/bootstrap.sh test [pytest options]     install with test tools, then run the tests
 #
 # Installs what is missing and nothing twice: Debian packages (python3-venv,
-# nats-server; for tests also gcc and libnats-dev for the C client test), a
+# nats-server, g++ for the native CPU kernels; for tests also libnats-dev for the
+# C client test), a
 # virtual environment in .venv with torch pinned to 2.13.0 (set KVBUS_TORCH_SPEC
 # to install another build, e.g. a CUDA one), and kvbus itself (editable).
 set -euo pipefail
@@ -35,8 +36,8 @@ apt_install() {  # apt_install PACKAGE... : install the Debian packages not yet 
 debs=()
 command -v nats-server >/dev/null || debs+=(nats-server)
 "$PY" -c 'import ensurepip, venv' 2>/dev/null || debs+=(python3-venv)
+command -v g++ >/dev/null || debs+=(g++)
 if [ "$mode" = test ]; then
-  command -v gcc >/dev/null || debs+=(gcc)
   [ -f /usr/include/nats/nats.h ] || debs+=(libnats-dev)
 fi
 [ ${#debs[@]} -eq 0 ] || apt_install "${debs[@]}"
@@ -53,6 +54,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".$extras"
   echo "$want" > "$stamp"
 fi
+# Native CPU kernels (paged attention): built once per machine and source, ~30 s; a build that
+# fails leaves the torch references in charge, so it warns instead of stopping the install.
+.venv/bin/python -c "import sys, kernels.native as n; sys.exit(n.main())" || say "warning: native CPU kernels not built; the slower torch references will run"
 
 if [ "$mode" = up ]; then
   exec .venv/bin/kvbus up "$@"

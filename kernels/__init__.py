@@ -1,13 +1,14 @@
 """Compute kernels shared by every engine service (contract: docs/kernel-api.md).
 
 Each entry point dispatches on the device of its first tensor argument: CUDA -> the Triton
-launcher, CPU -> the plain-torch reference (also the production CPU path).
+launcher, CPU -> the native CPU kernel where there is one (``kernels/cpu/``, built by
+``kernels/native.py``), else the plain-torch reference.
 `KVBUS_KERNELS=triton|torch|auto` overrides the choice (see kernels/_dispatch.py).
 """
 
 from __future__ import annotations
 
-from kernels import activation, attention_decode, attention_prefill, fp8, norm, page_copy, paged_store
+from kernels import activation, attention_cpu, attention_decode, attention_prefill, fp8, norm, page_copy, paged_store
 from kernels import rotary, sampling
 from kernels._dispatch import KERNELS, backend_mode, register, set_backend, use_triton
 from kernels._triton import HAS_TRITON
@@ -21,11 +22,15 @@ paged_decode_attention = register(
     "paged_decode_attention",
     attention_decode.paged_decode_attention_ref,
     attention_decode.paged_decode_attention_triton,
+    cpu=attention_cpu.paged_decode_attention_cpu,
+    cpu_ok=attention_cpu.can_run,
 )
 paged_prefill_attention = register(
     "paged_prefill_attention",
     attention_prefill.paged_prefill_attention_ref,
     attention_prefill.paged_prefill_attention_triton,
+    cpu=attention_cpu.paged_prefill_attention_cpu,
+    cpu_ok=attention_cpu.can_run_prefill,
 )
 gather_pages = register("gather_pages", page_copy.gather_pages_ref, page_copy.gather_pages_triton)
 scatter_pages = register("scatter_pages", page_copy.scatter_pages_ref, page_copy.scatter_pages_triton)

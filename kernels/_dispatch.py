@@ -1,7 +1,8 @@
 """Backend choice and the small kernel registry.
 
-Each public kernel is registered as (reference, launcher). The dispatcher looks at the device
-of the first tensor argument: CUDA -> Triton launcher, CPU -> plain-torch reference.
+Each public kernel is registered as (reference, launcher[, cpu]). The dispatcher looks at the
+device of the first tensor argument: CUDA -> Triton launcher, CPU -> the native CPU launcher where
+one exists and serves the call (``cpu_ok``), else the plain-torch reference.
 `KVBUS_KERNELS` overrides: `triton` forces the launcher (with `TRITON_INTERPRET=1` on CPU for
 the kernel tests), `torch` forces the reference, `auto` (or unset) is the default. The variable is read once, on the first call (a bad value
 raises ValueError then); `set_backend` overrides it in-process (tests), and `set_backend(None)`
@@ -28,6 +29,7 @@ class Kernel:
     name: str
     reference: Callable
     launcher: Callable | None
+    cpu: Callable | None = None
 
 
 KERNELS: dict[str, Kernel] = {}
@@ -61,14 +63,26 @@ def use_triton(t: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and t.is_cuda)
 
 
-def register(name: str, reference: Callable, launcher: Callable | None) -> Callable:
-    """Register a kernel and return its dispatching entry point (signature of the reference)."""
-    KERNELS[name] = Kernel(name, reference, launcher)
+def register(
+    name: str, reference: Callable, launcher: Callable | None,
+    cpu: Callable | None = None, cpu_ok: Callable[..., bool] | None = None,
+) -> Callable:
+    """Register a kernel and return its dispatching entry point (signature of the reference).
+
+    ``cpu`` is a native CPU launcher used in ``auto`` mode for CPU tensors when
+    ``cpu_ok(*args)`` says it serves the call (dtype, layout, extension built)."""
+    KERNELS[name] = Kernel(name, reference, launcher, cpu)
 
     @functools.wraps(reference)
     def dispatch(*args, **kwargs):
         mode = _mode or backend_mode()
-        if launcher is not None and (mode == "triton" or (mode == "auto" and args[0].is_cuda)):
+        if mode == "auto":
+            if args[0].is_cuda:
+                if launcher is not None:
+                    return launcher(*args, **kwargs)
+            elif cpu is not None and cpu_ok(*args):
+                return cpu(*args, **kwargs)
+        elif mode == "triton" and launcher is not None:
             return launcher(*args, **kwargs)
         return reference(*args, **kwargs)
 

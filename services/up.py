@@ -27,8 +27,51 @@ from services.natsd import free_port, port_is_taken
 class Child:
     name: str
     argv: list[str]
+    cpus: frozenset[int] | None = None  # CPU affinity set before exec; None: inherit ours
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = None
+
+
+DISAGG_MIN_CORES = 8
+"""Fewest usable cores for which ``--layout auto`` picks 1P1D on one host. Below it prefill and
+decode engines would share (or split) too few cores: on the 2-core dev VM aggregated serves the
+agentic workload faster than 1P1D (docs/engine.md, "Layout"), so auto picks aggregated there."""
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def choose_layout(args: argparse.Namespace, num_cores: int) -> tuple[str, str]:
+    """(aggregated | disaggregated, why): explicit flags win; auto goes by the cores found."""
+    if args.aggregated or args.layout == "aggregated":
+        return "aggregated", "asked for"
+    if args.layout == "disaggregated" or args.prefill is not None or args.decode is not None:
+        return "disaggregated", "asked for"
+    if num_cores >= DISAGG_MIN_CORES:
+        return "disaggregated", f"auto: {num_cores} cores >= {DISAGG_MIN_CORES}"
+    return "aggregated", (f"auto: {num_cores} cores < {DISAGG_MIN_CORES}, where one engine on every core "
+                          "beats prefill and decode engines dividing them (--layout disaggregated to override)")
+
+
+def split_cores(cores: list[int], engines: list[str], share: bool) -> dict[str, tuple[frozenset[int] | None, int]]:
+    """Each engine worker's (CPU set, torch threads). One engine: every core. Several on one host:
+    disjoint contiguous slices (decode workers take the remainder), so their OpenMP pools never
+    fight over a core; with ``share`` or fewer cores than engines, all share every core with
+    ``cores // engines`` threads each."""
+    if len(engines) <= 1:
+        return {e: (None, 0) for e in engines}
+    if share or len(cores) < len(engines):
+        threads = max(1, len(cores) // len(engines))
+        return {e: (None, threads) for e in engines}
+    base, extra = divmod(len(cores), len(engines))
+    # decode workers are listed last and take the extra cores (decode steps are latency-bound)
+    sizes = [base + (1 if i >= len(engines) - extra else 0) for i in range(len(engines))]
+    out, start = {}, 0
+    for engine, size in zip(engines, sizes):
+        out[engine] = (frozenset(cores[start:start + size]), size)
+        start += size
+    return out
 
 
 def say(text: str) -> None:
@@ -42,9 +85,12 @@ class Supervisor:
 
     async def start(self, child: Child) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", }
+        cpus = child.cpus
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C reaches us; we stop children in order
+            # the child's every thread (OpenMP's included) inherits the set
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         child.pump = asyncio.create_task(self._pump(child))
         self.children.append(child)
@@ -141,27 +187,31 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
     roles: dict[str, list[str]] = {"tokenizer": [f"tokenizer-{i}" for i in range(args.tokenizers)]}
     if "gateway" in ROLES and not args.tokenizer_only:
         roles["router"] = ["router-0"]
-        if args.aggregated:
+        if args.layout == "aggregated":
             roles["worker"] = [f"worker-{i}" for i in range(args.workers)]
         else:
-            roles["prefill"] = [f"prefill-{i}" for i in range(args.prefill)]
-            roles["decode"] = [f"decode-{i}" for i in range(args.decode)]
+            roles["prefill"] = [f"prefill-{i}" for i in range(args.prefill or 1)]
+            roles["decode"] = [f"decode-{i}" for i in range(args.decode or 1)]
         roles["gateway"] = ["gateway-0"]
+    engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
+    placement = split_cores(usable_cores(), engines, args.share_cores)
     py = sys.executable
     children = []
     for role, ids in roles.items():
         for wid in ids:
             argv = [py, "-m", "services.cli", "serve", role, "--worker-id", wid, "--nats-url", nats_url]
+            cpus = None
             if role in ("tokenizer", "prefill", "decode", "worker"):
                 argv += ["--model", str(model_dir)]
             if role in ("prefill", "decode", "worker"):
-                argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--num-threads", str(args.num_threads),
-                         *shlex.split(args.engine_args)]
+                cpus, threads = placement[wid]
+                argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
+                         "--num-threads", str(args.num_threads or threads), *shlex.split(args.engine_args)]
                 if role != "worker":
                     argv += ["--kv-transfer", args.kv_transfer]
             if role == "gateway":
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
-            children.append(Child(wid, argv))
+            children.append(Child(wid, argv, cpus if not args.num_threads else None))
     return roles, children
 
 
@@ -211,7 +261,10 @@ async def up(args: argparse.Namespace) -> int:
             say(f"error: HTTP port {args.http_port} is taken; pass --http-port 0 for a free one")
             return 1
         roles, children = plan(args, nats_url, model_dir)
+        say(f"layout: {args.layout} ({args.layout_why})")
         for child in children:
+            if child.cpus:
+                say(f"{child.name}: cores {','.join(map(str, sorted(child.cpus)))}")
             await supervisor.start(child)
 
         bus = await connect(BusConfig(nats_url=nats_url))
@@ -269,14 +322,24 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     parser.add_argument("--nats-port", type=int, default=4222, help="port for the started nats-server (0: free port)")
     parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated mode)")
-    parser.add_argument("--aggregated", action="store_true", help="aggregated workers instead of prefill/decode")
+    parser.add_argument("--layout", choices=["auto", "aggregated", "disaggregated"], default="auto",
+                        help=f"auto: disaggregated (1P1D) on machines with >= {DISAGG_MIN_CORES} cores, "
+                             "else aggregated (what serves best on the machine found; docs/engine.md)")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (implies disaggregated; default 1)")
+    parser.add_argument("--decode", type=int, default=None, help="decode workers (implies disaggregated; default 1)")
+    parser.add_argument("--aggregated", action="store_true", help="same as --layout aggregated")
+    parser.add_argument("--share-cores", action="store_true",
+                        help="engine workers on one host share every core instead of disjoint slices")
     parser.add_argument("--workers", type=int, default=1, help="aggregated workers (with --aggregated)")
     parser.add_argument("--tokenizer-only", action="store_true", help="start only the tokenizer service")
     parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "nats"])
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GB of KV cache per engine worker")
-    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per engine worker (0: all cores)")
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="torch threads per engine worker (0: chosen by layout: all cores for one engine, "
+                             "a disjoint slice each for several; a set value turns core pinning off)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations of every engine (auto: the checkpoint's; bfloat16 uses "
+                             "the CPU's bf16 instructions through oneDNN where it has them)")
     parser.add_argument("--engine-args", default="",
                         help="more options for every engine worker, e.g. \"--max-running-requests 8 --page-size 32\"")
     parser.add_argument("--http-host", default="127.0.0.1")
@@ -287,6 +350,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--quiet", action="store_true", help="don't stream service logs")
     args = parser.parse_args(argv)
     for name in ("tokenizers", "prefill", "decode", "workers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.aggregated and (args.prefill or args.decode or args.layout == "disaggregated"):
+        parser.error("--aggregated contradicts --prefill/--decode/--layout disaggregated")
+    args.layout, args.layout_why = choose_layout(args, len(usable_cores()))
     return asyncio.run(up(args))

@@ -1,15 +1,19 @@
-"""The asyncio face of the engine: streams, prefill-only calls, the step loop.
+"""The asyncio face of the engine: streams, prefill-only calls, the step thread.
 
-Steps run in one worker thread (torch releases the GIL in its kernels), so the
-event loop stays free; requests reach the engine through its mailbox.
+Steps run back to back in one dedicated engine thread (torch releases the GIL in
+its kernels), so the event loop stays free and the next step never waits for the
+loop to hand out the last step's tokens: the thread passes each step's outputs to
+the loop with one ``call_soon_threadsafe`` and starts the next step at once.
+Requests reach the engine through its mailbox; the thread sleeps on an event
+when there is no work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import concurrent.futures
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
 
@@ -25,15 +29,17 @@ class AsyncEngineMixin:
     """Mixed into LLMEngine; uses its add_* / abort / step / has_unfinished."""
 
     _queues: dict[str, asyncio.Queue]
-    _loop_task: asyncio.Task | None
-    _wakeup: asyncio.Event | None
-    _executor: concurrent.futures.ThreadPoolExecutor | None
+    _loop: asyncio.AbstractEventLoop | None
+    _thread: threading.Thread | None
+    _work: threading.Event
+    _stopping: bool
 
     def _init_async(self) -> None:
         self._queues = {}
-        self._loop_task = None
-        self._wakeup = None
-        self._executor = None
+        self._loop = None
+        self._thread = None
+        self._work = threading.Event()
+        self._stopping = False
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -89,10 +95,10 @@ class AsyncEngineMixin:
         if request_id in self._queues:
             raise RequestError(f"request id {request_id!r} is already streaming")
         queue: asyncio.Queue = asyncio.Queue()
-        self._ensure_loop()
+        self._ensure_thread()
         submit()
         self._queues[request_id] = queue
-        self._wakeup.set()
+        self._work.set()
         finished = False
         try:
             while not finished:
@@ -106,53 +112,75 @@ class AsyncEngineMixin:
                 del self._queues[request_id]
             if not finished:
                 self.abort(request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
+                self._work.set()
 
-    def _ensure_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        task = self._loop_task
-        if task is not None and not task.done() and task.get_loop() is loop:
+    def _ensure_thread(self) -> None:
+        self._loop = asyncio.get_running_loop()  # outputs go to the loop that streams now
+        if self._thread is not None and self._thread.is_alive():
             return
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbus-engine")
-        self._wakeup = asyncio.Event()
-        self._loop_task = loop.create_task(self._run_loop(), name="kvbus-engine-loop")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._thread_main, name="kvbus-engine", daemon=True)
+        self._thread.start()
 
-    async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _thread_main(self) -> None:
+        while not self._stopping:
+            loop = self._loop
+            if loop is None or loop.is_closed():  # asyncio.run() ended: sync callers may step now
+                break
             if not self.has_unfinished():
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                self._work.wait()
+                self._work.clear()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.step)
+                outputs, error = self.step(), None
             except Exception as exc:  # a bug in a step must not hang every stream
                 log.exception("engine step failed; failing every running request")
-                self._fail_all(exc)
-                continue
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                outputs, error = self._fail_all(), RuntimeError(f"engine step failed: {exc!r}")
+            if outputs:
+                self._post(self._deliver, outputs, error)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for seq in list(self._seqs.values()):
-            self._finish(seq, "abort", [])
-            queue = self._queues.get(seq.request_id)
+    def _claim_sync(self) -> None:
+        """Before a step from outside the engine thread: the thread must be gone. One left by a
+        closed event loop is stopped; one serving a live loop means a caller mixed the sync and
+        async APIs on one engine, which would step it from two threads at once."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            raise RuntimeError("this engine is driven by its async API in another thread; "
+                               "don't call step() or generate_sync() beside it")
+        self._stopping = True
+        self._work.set()
+        thread.join()
+        self._thread = None
+
+    def _post(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass
+
+    def _deliver(self, outputs: list, error: Exception | None) -> None:
+        """On the event loop: hand each output (or the step's error) to its stream."""
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
             if queue is not None:
-                queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+                queue.put_nowait(error if error is not None else out)
+
+    def _fail_all(self) -> list[RequestOutput]:
+        """On the engine thread: abort every request after a failed step; their final outputs."""
+        return [self._finish(seq, "abort", []) for seq in list(self._seqs.values())]
 
     async def aclose(self) -> None:
-        """Stop the async driver (pending streams see no more outputs)."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            self._loop_task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the engine thread (pending streams see no more outputs)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping = True
+        self._work.set()
+        await asyncio.to_thread(thread.join)
+        self._thread = None

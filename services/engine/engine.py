@@ -55,7 +55,7 @@ class LLMEngine(AsyncEngineMixin):
     def __init__(self, config: EngineConfig | None = None, *, tier_hooks: CacheTierHooks | None = None):
         self.config = config = config or EngineConfig()
         if config.device == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)) or 1)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         from services.models import resolve_model
@@ -239,6 +239,8 @@ class LLMEngine(AsyncEngineMixin):
 
     def step(self) -> list[RequestOutput]:
         """Drain the mailbox, run one batch, return what each request produced."""
+        if self._thread is not None:
+            self._claim_sync()
         t0 = time.perf_counter()
         outputs = self._drain_mailbox()
         batch = self.scheduler.schedule()

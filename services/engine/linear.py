@@ -1,12 +1,21 @@
-"""Dense projections: ``F.linear``, or oneDNN with prepacked weights on CPU.
+"""Dense projections on CPU: kvbus's packed GEMM for decode batches, oneDNN for prefill ones.
 
-On CPU, MKL's sgemm (behind ``F.linear`` for float32) reaches ~11 GB/s on the
-decode GEMVs here and is slower still for 2-16 rows, while oneDNN with weights
-reordered once into its blocked layout streams them ~2x faster (docs/engine.md).
-bfloat16 already runs on oneDNN; prepacking saves its per-call reorder (~1.4x).
-The packed tensors are opaque (``layout=torch._mkldnn``), so every projection
-goes through :func:`linear`. float32 results differ from ``F.linear`` in the
-last bits (another summation order); bfloat16 ones are identical.
+A decode step multiplies every weight by a handful of rows, so its time is the weights' bytes
+over memory bandwidth. Measured on the 2-core dev VM (docs/engine.md), all 121 projections of
+SmolLM2-135M fp32 (540 MB): MKL's sgemm (``F.linear``) streams them at 6-12 GB/s, oneDNN with
+weights reordered into its blocked layout at 12-17 GB/s, and the native packed kernel
+(``kernels/cpu/small_gemm.cpp``: 16 output columns per vector, no horizontal sums, one pass in
+order) at 18-29 GB/s for 1-8 rows against ~30 GB/s the machine reads. Prefill batches are
+compute-bound, where oneDNN's blocked GEMM is faster (185 GFLOP/s against MKL's 156), so every
+float32 projection is held twice (:class:`CpuWeight`): packed for decode-only steps of up to
+``NATIVE_MAX_ROWS`` rows (``packed=True``), oneDNN for everything else.
+NOTE: the choice is by phase, never by row count alone: a prompt's tokens always go through the
+same kernel whether its prefix was cached or not (a short uncached tail would otherwise round
+differently from the same tokens in a cold prefill), and the packed kernel sums every output in
+one fixed order, so a decode row's result does not depend on how many rows share the step. That doubles the weights' RAM (540 MB more for the default model);
+``prepack_weights=False`` keeps one plain copy and ``F.linear`` instead.
+bfloat16 runs on oneDNN (prepacked, with the CPU's bf16 instructions where present).
+float32 results differ from ``F.linear`` in the last bits (another summation order).
 """
 
 from __future__ import annotations
@@ -14,7 +23,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from services.engine.weights import ModelWeights
+
+NATIVE_MAX_ROWS = 12
+"""Most rows the packed kernel serves; at 16 rows oneDNN is as fast and above it faster."""
+
+
+class CpuWeight:
+    """One float32 projection ``[out, in]`` in two layouts: oneDNN's (prefill) and packed (decode)."""
+
+    __slots__ = ("dense", "packed", "out_features")
+
+    def __init__(self, w: torch.Tensor):
+        self.out_features = w.shape[0]
+        self.packed = pack_columns(w)
+        self.dense = prepack(w)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.packed.shape[1])
+
+
+def pack_columns(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: block c holds rows 16c..16c+15 transposed (zero past N)."""
+    n, k = w.shape
+    blocks = -(-n // 16)
+    padded = torch.zeros(blocks * 16, k, dtype=w.dtype)
+    padded[:n] = w
+    return padded.view(blocks, 16, k).transpose(1, 2).contiguous()
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -32,14 +69,24 @@ def prepack(w: torch.Tensor) -> torch.Tensor:
 
 
 def prepack_weights(w: ModelWeights) -> None:
-    """Reorder every projection in place (the embedding stays a plain table)."""
+    """Reorder every projection in place (the embedding stays a plain table); float32 ones get
+    the packed decode layout too when the native kernels are built."""
+    both = w.embed.dtype == torch.float32 and native.available()
+    convert = CpuWeight if both else prepack
     for layer in w.layers:
-        layer.qkv, layer.o = prepack(layer.qkv), prepack(layer.o)
-        layer.gate_up, layer.down = prepack(layer.gate_up), prepack(layer.down)
-    w.lm_head = prepack(w.lm_head)  # a copy when tied: the embedding lookup needs the plain table
+        layer.qkv, layer.o = convert(layer.qkv), convert(layer.o)
+        layer.gate_up, layer.down = convert(layer.gate_up), convert(layer.down)
+    w.lm_head = convert(w.lm_head)  # a copy when tied: the embedding lookup needs the plain table
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+    """``x @ w.T + b``; ``packed``: this is a decode-only step (the packed kernel may serve it)."""
+    if type(w) is CpuWeight:
+        if packed and x.shape[0] <= NATIVE_MAX_ROWS and x.dtype == torch.float32:
+            y = torch.empty((x.shape[0], w.out_features), dtype=torch.float32)
+            native.ops().packed_gemm(x if x.stride(-1) == 1 else x.contiguous(), w.packed, b, y)
+            return y
+        w = w.dense
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)

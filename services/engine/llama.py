@@ -68,25 +68,28 @@ class LlamaModel:
         eps = mc.rms_norm_eps
         h = F.embedding(input_ids, w.embed)  # [T, H]
         residual = None
+        packed = meta.num_decode_tokens == input_ids.shape[0]  # decode-only step (linear.py)
         for i, layer in enumerate(w.layers):
             if residual is None:
                 x, residual = rms_norm(h, layer.input_norm, eps), h
             else:
                 x, residual = rms_norm(h, layer.input_norm, eps, residual)
-            h = self._attention(i, layer, x, positions, meta)
+            h = self._attention(i, layer, x, positions, meta, packed)
             x, residual = rms_norm(h, layer.post_norm, eps, residual)
-            h = linear(silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+            gate_up = linear(x, layer.gate_up, layer.gate_up_bias, packed)
+            h = linear(silu_and_mul(gate_up), layer.down, layer.down_bias, packed)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = rms_norm(h, w.norm, eps, residual)
-        return linear(h, w.lm_head).float()
+        return linear(h, w.lm_head, None, packed).float()
 
     def _attention(
-        self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        packed: bool,
     ) -> torch.Tensor:
         mc, kv = self.mc, self.kv
         T = x.shape[0]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = linear(x, layer.qkv, layer.qkv_bias, packed)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, mc.num_heads, mc.head_dim)
         k = k.view(T, mc.num_kv_heads, mc.head_dim)
@@ -103,7 +106,7 @@ class LlamaModel:
             out = torch.empty_like(q)
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
             out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
-        return linear(out.view(T, self.q_size), layer.o, layer.o_bias)
+        return linear(out.view(T, self.q_size), layer.o, layer.o_bias, packed)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return paged_decode_attention(

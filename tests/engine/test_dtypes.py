@@ -69,3 +69,30 @@ def test_unpacked_weights_match_hf_too(model_dir, prompt_ids, hf_greedy):
     assert not eng.model.w.layers[0].qkv.is_mkldnn
     outs = eng.generate_sync(prompt_ids[:4], SamplingParams(temperature=0.0, max_tokens=64))
     assert [o.token_ids for o in outs] == hf_greedy[:4]
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (17, 576), (1000, 33)])
+def test_packed_decode_weights_agree_with_f_linear(out_features, in_features):
+    # the native packed GEMM (decode rows) and oneDNN (prefill rows) behind one CpuWeight
+    from kernels import native
+    from services.engine.linear import NATIVE_MAX_ROWS, CpuWeight, linear
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    cw = CpuWeight(w)
+    assert cw.shape == (out_features, in_features)
+    for rows in (1, 2, 5, 8, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, in_features, generator=g)
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+        for packed in (True, False):
+            torch.testing.assert_close(linear(x, cw, b, packed), want, atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(linear(x, cw, None, packed), want - b, atol=1e-4, rtol=1e-5)
+    # a strided view of rows (the engine passes slices)
+    x = torch.randn(6, in_features * 2, generator=g)[:, :in_features]
+    torch.testing.assert_close(linear(x, cw, None, True), x @ w.T, atol=1e-4, rtol=1e-5)
+    # a decode row's result does not depend on the rows beside it (batch-invariant decode)
+    rows = torch.randn(NATIVE_MAX_ROWS, in_features, generator=g)
+    alone = torch.cat([linear(rows[i:i + 1], cw, b, True) for i in range(NATIVE_MAX_ROWS)])
+    assert torch.equal(linear(rows, cw, b, True), alone)

@@ -1,0 +1,142 @@
+"""Where a decode step's time goes, against the machine's memory-bandwidth floor.
+
+    python -m bench.step_split                 # native CPU kernels, then the previous path, ~3 min
+    python -m bench.step_split --no-baseline   # only the current path
+
+For each batch (1 x 128, 8 x 256 and 4 x 3000 tokens of context) the in-process engine (fp32,
+SmolLM2-135M) runs decode steps under torch's profiler; op times are grouped into weights (the
+projections: kvbus_cpu::packed_gemm, oneDNN, MKL), attention (kvbus_cpu::paged_attention, or the
+reference's gather/mask/bmm ops) and the rest. The floor is the bytes a step must read (every
+weight once, plus the context's K and V once) over the read bandwidth measured here (a 1 GiB
+sum on every core). The previous path is the same engine with ``KVBUS_NATIVE=0`` (oneDNN weights,
+torch reference attention), run in a child process so the two never share a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CASES = [(1, 128), (8, 256), (4, 3000)]
+WEIGHT_OPS = ("packed_gemm", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear")
+ATTENTION_OPS = ("paged_attention", "aten::index_select", "aten::masked_fill_", "aten::bmm", "aten::_softmax",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::copy_")
+
+
+def read_bandwidth() -> float:
+    import torch
+
+    x = torch.ones(256 * 1024 * 1024)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def measure(steps: int) -> dict:
+    import torch
+    from torch.profiler import profile
+
+    from schemas.engine import SamplingParams
+    from services.engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
+    mc = eng.model_config
+    weight_bytes = projection_bytes(mc)
+    kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+    gen = torch.Generator().manual_seed(0)
+    out = {"bandwidth": read_bandwidth(), "weight_bytes": weight_bytes, "cases": []}
+    for batch, ctx in CASES:
+        ids = [f"{batch}x{ctx}-{i}" for i in range(batch)]
+        for rid in ids:
+            prompt = torch.randint(100, mc.vocab_size - 100, (ctx,), generator=gen).tolist()
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        while eng._mailbox or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng._seqs.values()):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
+        with profile() as prof:
+            for _ in range(5):
+                eng.step()
+        groups = {"weights": 0.0, "attention": 0.0}
+        total = 0.0
+        for ev in prof.key_averages():
+            t = ev.self_cpu_time_total / 5 / 1e6
+            total += t
+            if any(k in ev.key for k in WEIGHT_OPS):
+                groups["weights"] += t
+            elif any(k in ev.key for k in ATTENTION_OPS):
+                groups["attention"] += t
+        step = sorted(times)[len(times) // 2]
+        groups["rest"] = max(0.0, step - groups["weights"] - groups["attention"])
+        floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / out["bandwidth"]
+        out["cases"].append({"batch": batch, "context": ctx, "step_s": step, **groups, "floor_s": floor})
+        for rid in ids:
+            eng.abort(rid)
+        eng.step()
+    return out
+
+
+def projection_bytes(mc) -> int:
+    """float32 bytes of every projection a decode step reads (qkv, o, gate_up, down, lm_head)."""
+    h, d, i = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    per_layer = (mc.num_heads + 2 * mc.num_kv_heads) * d * h + h * mc.num_heads * d + 3 * i * h
+    return 4 * (mc.num_layers * per_layer + mc.vocab_size * h)
+
+
+def child(baseline: bool, steps: int) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if baseline:
+        env["KVBUS_NATIVE"] = "0"
+    res = subprocess.run([sys.executable, "-m", "bench.step_split", "--child", "--steps", str(steps)],
+                         env=env, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.steps)))
+        return
+    from bench.common import machine, table
+
+    print(f"machine: {machine()}", flush=True)
+    runs = {"native": child(False, args.steps)}
+    if not args.no_baseline:
+        runs["previous (KVBUS_NATIVE=0)"] = child(True, args.steps)
+    native = runs["native"]
+    print(f"read bandwidth {native['bandwidth'] / 1e9:.1f} GB/s; weights {native['weight_bytes'] / 1e6:.0f} MB")
+    rows = []
+    for i, case in enumerate(native["cases"]):
+        label = f"{case['batch']} x {case['context']}"
+        ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+        row = [label, ms(case["step_s"]), ms(case["weights"]), ms(case["attention"]), ms(case["rest"]),
+               ms(case["floor_s"]), f"{case['step_s'] / case['floor_s']:.2f}x"]
+        if len(runs) > 1:
+            prev = runs["previous (KVBUS_NATIVE=0)"]["cases"][i]
+            row += [ms(prev["step_s"]), f"{case['step_s'] / prev['step_s']:.2f}x"]
+        rows.append(row)
+    header = ["batch x context", "step ms", "weights ms", "attention ms", "rest ms", "floor ms", "step / floor"]
+    if len(runs) > 1:
+        header += ["previous step ms", "native / previous"]
+    print(table(rows, header))
+
+
+if __name__ == "__main__":
+    main()

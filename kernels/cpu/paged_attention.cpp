@@ -1,0 +1,442 @@
+// Paged attention on the CPU, reading the paged KV cache in place (no per-step gather).
+//
+// One op serves decode and prefill/extend:
+//   q            [T, Hq, D]  float32 | bfloat16 (packed new tokens of B sequences)
+//   k/v_cache    [num_pages, page_size, Hkv, D], any page/token/head strides, D contiguous;
+//                float32 | bfloat16 | float8_e4m3fn (fp8 with k_scale / v_scale, 0-d or [Hkv])
+//   block_tables [B, max_pages] int32
+//   cu_seqlens_q [B + 1] int32, or empty for decode (sequence b owns q row b)
+//   seq_lens     [B] int32: cached prefix + new tokens
+//   out          [T, Hq, D], dtype of q (written)
+// New token i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to every
+// position <= its own; query head h reads KV head h / (Hq / Hkv).
+//
+// Work: one task per (sequence, block of <= 16 new tokens, KV head, KV split). A task holds
+// the rows of its block times the GQA group (each KV tile is read once for all of them), walks
+// its KV range in tiles of 16 tokens with an online softmax, and either writes the normalized
+// rows or, when the KV range was split (long decode contexts with few sequences, so that every
+// thread has work), a partial (max, sum, acc) that a second pass merges. Tasks are handed out
+// dynamically over torch's own OpenMP pool (at::parallel_for), so the op uses the threads that
+// torch.set_num_threads gave the process and never oversubscribes.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace kvbus_cpu {
+namespace {
+
+constexpr int TILE = 16;          // KV tokens per tile
+constexpr int BLOCK_M = 16;       // new tokens per task (prefill/extend)
+constexpr int SPLIT_TOKENS = 512; // smallest KV range a split task covers
+
+// exp(x) for x <= 0 (softmax arguments), Cephes-style: x = n ln2 + r, |r| <= ln2/2, a degree-6
+// polynomial for e^r and 2^n from the exponent bits. ~1 ulp; plain code the compiler vectorizes.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+
+// Convert one KV row of D elements to float.
+inline void load_row(const float* src, float* dst, int d) { std::memcpy(dst, src, sizeof(float) * d); }
+inline void load_row(const c10::BFloat16* src, float* dst, int d) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int i = 0; i < d; ++i) {
+    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    dst[i] = f;
+  }
+}
+inline void load_row(const c10::Float8_e4m3fn* src, float* dst, int d) {
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  const float* table = fp8_table().v;
+  for (int i = 0; i < d; ++i) dst[i] = table[s[i]];
+}
+
+struct Params {
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const char* k_base;
+  const char* v_base;
+  int64_t k_stride_page, k_stride_tok, k_stride_head;  // in elements
+  int64_t v_stride_page, v_stride_tok, v_stride_head;
+  int page_size, num_kv_heads, group, head_dim;
+};
+
+// One task: rows [row0, row0 + num_tokens) of sequence b (their positions prefix + i), KV head
+// h, KV tokens [k0, k1). Q holds the R = num_tokens * group query rows (token-major, already
+// scaled). acc / m / l receive the unnormalized result.
+template <typename KV, int D>
+void attend(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
+            float* acc, float* m, float* l, float* scratch) {
+  const int head_dim = D > 0 ? D : p.head_dim;
+  float* K = scratch;                    // [TILE, D]
+  float* V = K + TILE * head_dim;        // [TILE, D]
+  float* Kt = V + TILE * head_dim;       // [D, TILE]
+  float* S = Kt + TILE * head_dim;       // [R, TILE]
+  const KV* kc = reinterpret_cast<const KV*>(p.k_base);
+  const KV* vc = reinterpret_cast<const KV*>(p.v_base);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.bt_stride;
+  for (int r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + static_cast<int64_t>(R) * head_dim, 0.f);
+  const bool transpose = R >= 8;
+  // Walk pages without a division per token: (page index, slot) of token k0.
+  int page_idx = k0 / p.page_size, slot = k0 % p.page_size;
+  const float* krow[TILE];
+  const float* vrow[TILE];
+  for (int t0 = k0; t0 < k1; t0 += TILE) {
+    const int n = std::min(TILE, k1 - t0);
+    for (int j = 0; j < n; ++j) {
+      const int64_t page = table[page_idx];
+      const KV* ks = kc + page * p.k_stride_page + slot * p.k_stride_tok + h * p.k_stride_head;
+      const KV* vs = vc + page * p.v_stride_page + slot * p.v_stride_tok + h * p.v_stride_head;
+      if constexpr (std::is_same_v<KV, float>) {  // read in place
+        krow[j] = ks;
+        vrow[j] = vs;
+      } else {  // convert once per tile
+        load_row(ks, K + j * head_dim, head_dim);
+        load_row(vs, V + j * head_dim, head_dim);
+        krow[j] = K + j * head_dim;
+        vrow[j] = V + j * head_dim;
+      }
+      if (++slot == p.page_size) slot = 0, ++page_idx;
+    }
+    // scores S[r, j] = Q[r] . K[j]
+    if (transpose) {
+      // Kt [D, TILE]: one broadcast-FMA per d and 4 rows at once (independent accumulators)
+      for (int d = 0; d < head_dim; ++d) {
+        for (int j = 0; j < n; ++j) Kt[d * TILE + j] = krow[j][d];
+        for (int j = n; j < TILE; ++j) Kt[d * TILE + j] = 0.f;
+      }
+      int r = 0;
+      for (; r + 4 <= R; r += 4) {
+        float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};
+        const float* q0 = Q + r * head_dim;
+        const float* q1 = q0 + head_dim;
+        const float* q2 = q1 + head_dim;
+        const float* q3 = q2 + head_dim;
+        for (int d = 0; d < head_dim; ++d) {
+          const float* kt = Kt + d * TILE;
+          const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+#pragma omp simd
+          for (int j = 0; j < TILE; ++j) {
+            s0[j] += a0 * kt[j];
+            s1[j] += a1 * kt[j];
+            s2[j] += a2 * kt[j];
+            s3[j] += a3 * kt[j];
+          }
+        }
+        std::memcpy(S + r * TILE, s0, sizeof(s0));
+        std::memcpy(S + (r + 1) * TILE, s1, sizeof(s1));
+        std::memcpy(S + (r + 2) * TILE, s2, sizeof(s2));
+        std::memcpy(S + (r + 3) * TILE, s3, sizeof(s3));
+      }
+      for (; r < R; ++r) {
+        float s0[TILE] = {0};
+        const float* q0 = Q + r * head_dim;
+        for (int d = 0; d < head_dim; ++d) {
+          const float a0 = q0[d];
+#pragma omp simd
+          for (int j = 0; j < TILE; ++j) s0[j] += a0 * Kt[d * TILE + j];
+        }
+        std::memcpy(S + r * TILE, s0, sizeof(s0));
+      }
+    } else {
+      for (int j = 0; j < n; ++j) {
+        const float* k = krow[j];
+        for (int r = 0; r < R; ++r) {
+          const float* q = Q + r * head_dim;
+          float acc_s = 0.f;
+#pragma omp simd reduction(+ : acc_s)
+          for (int d = 0; d < head_dim; ++d) acc_s += q[d] * k[d];
+          S[r * TILE + j] = acc_s;
+        }
+      }
+    }
+    // online softmax and P.V, row by row; row r sees tokens < limits[r]
+    for (int r = 0; r < R; ++r) {
+      const int visible = std::min(n, limits[r] - t0);
+      if (visible <= 0) continue;
+      float* s = S + r * TILE;
+      float mx = m[r];
+      for (int j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+      const float alpha = exp_nonpos(m[r] - mx);
+      float pj[TILE];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < TILE; ++j) {
+        const float e = exp_nonpos(s[j] - mx);
+        pj[j] = j < visible ? e : 0.f;
+        sum += pj[j];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+      float* a = acc + static_cast<int64_t>(r) * head_dim;
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) a[d] *= alpha;
+      for (int j = 0; j < visible; ++j) {
+        const float w = pj[j];
+        const float* v = vrow[j];
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) a[d] += w * v[d];
+      }
+    }
+  }
+}
+
+struct Task {
+  int b, h, tok0, num_tokens, k0, k1, split, num_splits;
+  int64_t partial;  // index of this task's partial slot; -1 when not split
+};
+
+template <typename Q_T, typename KV, int D>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+         const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale, const float* k_scale,
+         const float* v_scale, int64_t k_scale_stride, int64_t v_scale_stride, at::Tensor& out) {
+  const int64_t B = seq_lens.size(0);
+  const int Hq = q.size(1), head_dim = q.size(2);
+  Params p;
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.bt_stride = block_tables.stride(0);
+  p.k_base = static_cast<const char*>(k_cache.data_ptr());
+  p.v_base = static_cast<const char*>(v_cache.data_ptr());
+  p.k_stride_page = k_cache.stride(0), p.k_stride_tok = k_cache.stride(1), p.k_stride_head = k_cache.stride(2);
+  p.v_stride_page = v_cache.stride(0), p.v_stride_tok = v_cache.stride(1), p.v_stride_head = v_cache.stride(2);
+  p.page_size = k_cache.size(1), p.num_kv_heads = k_cache.size(2), p.head_dim = head_dim;
+  p.group = Hq / p.num_kv_heads;
+  const bool is_decode = cu_seqlens_q.numel() == 0;
+  const int32_t* cu = is_decode ? nullptr : cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  // Tasks without splits first, then decide how far to split the KV ranges so that every
+  // thread gets several tasks (decode of a few long sequences would otherwise use B * Hkv).
+  struct Unit { int b, tok0, num_tokens, kv_len; };
+  std::vector<Unit> units;
+  const int64_t num_pages = k_cache.size(0), table_width = block_tables.size(1);
+  TORCH_CHECK(is_decode || (cu[0] == 0 && cu[B] == q.size(0)), "kvbus: cu_seqlens_q must run from 0 to T=", q.size(0));
+  for (int64_t b = 0; b < B; ++b) {
+    const int q_begin = is_decode ? b : cu[b];
+    const int q_len = is_decode ? 1 : cu[b + 1] - cu[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && lens[b] >= (is_decode ? 1 : 0),
+                "kvbus: sequence ", b, " has ", q_len, " new tokens but seq_len ", lens[b]);
+    const int64_t need = (static_cast<int64_t>(lens[b]) + p.page_size - 1) / p.page_size;
+    TORCH_CHECK(need <= table_width, "kvbus: seq_lens need ", need, " pages but block_tables has ", table_width);
+    const int32_t* row = p.block_tables + b * p.bt_stride;
+    for (int64_t i = 0; i < need; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "kvbus: block_tables hold page ids outside [0, ", num_pages, ")");
+    const int prefix = lens[b] - q_len;
+    for (int i = 0; i < q_len; i += BLOCK_M) {
+      const int nt = std::min(BLOCK_M, q_len - i);
+      units.push_back({static_cast<int>(b), q_begin + i, nt, prefix + i + nt});
+    }
+  }
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t num_units = static_cast<int64_t>(units.size()) * p.num_kv_heads;
+  const int64_t want_splits = num_units >= 4 * threads ? 1 : (4 * threads + num_units - 1) / num_units;
+  std::vector<Task> tasks;
+  int64_t num_partials = 0;
+  for (const Unit& u : units) {
+    const int64_t max_splits = std::max<int64_t>(1, u.kv_len / SPLIT_TOKENS);
+    const int splits = static_cast<int>(std::min(want_splits, max_splits));
+    // split boundaries on tile multiples
+    const int tiles = (u.kv_len + TILE - 1) / TILE;
+    for (int h = 0; h < p.num_kv_heads; ++h)
+      for (int s = 0; s < splits; ++s) {
+        const int k0 = static_cast<int>(static_cast<int64_t>(tiles) * s / splits) * TILE;
+        const int k1 = std::min(u.kv_len, static_cast<int>(static_cast<int64_t>(tiles) * (s + 1) / splits) * TILE);
+        tasks.push_back({u.b, h, u.tok0, u.num_tokens, k0, k1, s, splits, splits > 1 ? num_partials++ : -1});
+      }
+  }
+  // Longest tasks first: dynamic hand-out then balances the causal prefill's uneven rows.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return static_cast<int64_t>(a.k1 - a.k0) * a.num_tokens > static_cast<int64_t>(b.k1 - b.k0) * b.num_tokens;
+  });
+
+  const int G = p.group;
+  const int max_rows = BLOCK_M * G;
+  const int64_t row_floats = static_cast<int64_t>(max_rows) * head_dim;
+  // partials: per split task, R rows of (acc[D], m, l)
+  std::vector<float> partial(static_cast<size_t>(num_partials) * max_rows * (head_dim + 2));
+  const Q_T* qp = q.data_ptr<Q_T>();
+  Q_T* op = out.data_ptr<Q_T>();
+  const int64_t q_st = q.stride(0), q_sh = q.stride(1);
+  const int64_t o_st = out.stride(0), o_sh = out.stride(1);
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf(row_floats * 2 + max_rows * (TILE + 2 + BLOCK_M) + 3 * TILE * head_dim + TILE * head_dim);
+    float* Q = buf.data();
+    float* acc = Q + row_floats;
+    float* m = acc + row_floats;
+    float* l = m + max_rows;
+    int* limits = reinterpret_cast<int*>(l + max_rows);
+    float* scratch = reinterpret_cast<float*>(limits + max_rows);
+    for (int64_t ti; (ti = next.fetch_add(1)) < num_tasks;) {
+      const Task& t = tasks[ti];
+      const int R = t.num_tokens * G;
+      const int q_len = is_decode ? 1 : cu[t.b + 1] - cu[t.b];
+      const int q_begin = is_decode ? t.b : cu[t.b];
+      const int prefix = lens[t.b] - q_len;
+      const float qs = static_cast<float>(scale) * (k_scale ? k_scale[t.h * k_scale_stride] : 1.f);
+      for (int i = 0; i < t.num_tokens; ++i) {
+        const int64_t tok = t.tok0 + i;
+        for (int g = 0; g < G; ++g) {
+          const int r = i * G + g;
+          const Q_T* src = qp + tok * q_st + (t.h * G + g) * q_sh;
+          for (int d = 0; d < head_dim; ++d) Q[r * head_dim + d] = static_cast<float>(src[d]) * qs;
+          limits[r] = std::min<int>(t.k1, prefix + static_cast<int>(tok - q_begin) + 1);
+        }
+      }
+      attend<KV, D>(p, t.b, t.h, Q, limits, R, t.k0, t.k1, acc, m, l, scratch);
+      if (t.partial < 0) {
+        const float vs = v_scale ? v_scale[t.h * v_scale_stride] : 1.f;
+        for (int r = 0; r < R; ++r) {
+          const int64_t tok = t.tok0 + r / G;
+          Q_T* dst = op + tok * o_st + (t.h * G + r % G) * o_sh;
+          const float inv = vs / l[r];
+          for (int d = 0; d < head_dim; ++d) dst[d] = static_cast<Q_T>(acc[r * head_dim + d] * inv);
+        }
+      } else {
+        float* slot = partial.data() + t.partial * max_rows * (head_dim + 2);
+        for (int r = 0; r < R; ++r) {
+          float* row = slot + r * (head_dim + 2);
+          std::memcpy(row, acc + r * head_dim, sizeof(float) * head_dim);
+          row[head_dim] = m[r];
+          row[head_dim + 1] = l[r];
+        }
+      }
+    }
+  });
+  if (num_partials == 0) return;
+  // Merge the splits of each (unit, head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+  std::vector<const Task*> firsts;
+  for (const Task& t : tasks)
+    if (t.num_splits > 1 && t.split == 0) firsts.push_back(&t);
+  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t f = begin; f < end; ++f) {
+      const Task& t0 = *firsts[f];
+      const int R = t0.num_tokens * G;
+      const float vs = v_scale ? v_scale[t0.h * v_scale_stride] : 1.f;
+      for (int r = 0; r < R; ++r) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int s = 0; s < t0.num_splits; ++s) {
+          const float* row = partial.data() + (t0.partial + s) * max_rows * (head_dim + 2) + r * (head_dim + 2);
+          if (row[head_dim + 1] > 0.f) M = std::max(M, row[head_dim]);
+        }
+        float L = 0.f;
+        float o[512];
+        std::fill(o, o + head_dim, 0.f);
+        for (int s = 0; s < t0.num_splits; ++s) {
+          const float* row = partial.data() + (t0.partial + s) * max_rows * (head_dim + 2) + r * (head_dim + 2);
+          if (!(row[head_dim + 1] > 0.f)) continue;  // a split this row sees nothing of
+          const float w = exp_nonpos(row[head_dim] - M);
+          L += row[head_dim + 1] * w;
+          for (int d = 0; d < head_dim; ++d) o[d] += row[d] * w;
+        }
+        const int64_t tok = t0.tok0 + r / G;
+        Q_T* dst = op + tok * o_st + (t0.h * G + r % G) * o_sh;
+        const float inv = vs / L;
+        for (int d = 0; d < head_dim; ++d) dst[d] = static_cast<Q_T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename Q_T, typename KV>
+void run_d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt, const at::Tensor& cu,
+           const at::Tensor& lens, double scale, const float* ks, const float* vs, int64_t kss, int64_t vss, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return run<Q_T, KV, 64>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+    case 128: return run<Q_T, KV, 128>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+    default: return run<Q_T, KV, 0>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+  }
+}
+
+template <typename Q_T>
+void run_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt, const at::Tensor& cu,
+            const at::Tensor& lens, double scale, const float* ks, const float* vs, int64_t kss, int64_t vss, at::Tensor& out) {
+  switch (k.scalar_type()) {
+    case at::kFloat: return run_d<Q_T, float>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+    case at::kBFloat16: return run_d<Q_T, c10::BFloat16>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+    case at::kFloat8_e4m3fn: return run_d<Q_T, c10::Float8_e4m3fn>(q, k, v, bt, cu, lens, scale, ks, vs, kss, vss, out);
+    default: TORCH_CHECK(false, "paged_attention: unsupported KV dtype ", k.scalar_type());
+  }
+}
+
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                     double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                     at::Tensor& out) {
+  // Shapes, dtypes and page ids are checked by the Python launcher (kernels/attention_cpu.py).
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_attention: the head dimension must be contiguous");
+  TORCH_CHECK(q.size(2) <= 512, "paged_attention: head_dim > 512");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  (cu_seqlens_q.numel() == 0 || cu_seqlens_q.scalar_type() == at::kInt),
+              "paged_attention: int32 tables");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const float* ks = fp8 && k_scale ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = fp8 && v_scale ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t kss = ks && k_scale->dim() == 1 ? 1 : 0;
+  const int64_t vss = vs && v_scale->dim() == 1 ? 1 : 0;
+  if (q.scalar_type() == at::kFloat)
+    run_kv<float>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, ks, vs, kss, vss, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run_kv<c10::BFloat16>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, ks, vs, kss, vss, out);
+  else
+    TORCH_CHECK(false, "paged_attention: q must be float32 or bfloat16, got ", q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvbus_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+      "Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvbus_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace kvbus_cpu
