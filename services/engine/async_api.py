@@ -1,11 +1,11 @@
-"""The asyncio face of the engine: streams, prefill-only calls, the step thread.
+"""The asyncio face of the engine: streams, prefill-only calls, the engine thread.
 
-Steps run back to back in one dedicated engine thread (torch releases the GIL in
-its kernels), so the event loop stays free and the next step never waits for the
-loop to hand out the last step's tokens: the thread passes each step's outputs to
-the loop with one ``call_soon_threadsafe`` and starts the next step at once.
-Requests reach the engine through its mailbox; the thread sleeps on an event
-when there is no work.
+Steps run back to back on the engine's own thread (``engine_thread.py``; torch
+releases the GIL in its kernels), so the event loop stays free and the next step
+never waits for the loop to hand out the last step's tokens. Requests reach the
+engine through its mailbox; the thread sleeps when there is no work. Services
+build the engine with ``await LLMEngine.create(config)``, which loads it on that
+same thread (why that matters: ``engine_thread.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence as Seq
 import torch
 
 from schemas.engine import RequestOutput, SamplingParams, TokenLogprob
+from services.engine.engine_thread import EngineThread
 from services.engine.outputs import PrefillResult, RequestError
 
 log = logging.getLogger(__name__)
@@ -29,17 +30,32 @@ class AsyncEngineMixin:
     """Mixed into LLMEngine; uses its add_* / abort / step / has_unfinished."""
 
     _queues: dict[str, asyncio.Queue]
-    _loop: asyncio.AbstractEventLoop | None
-    _thread: threading.Thread | None
-    _work: threading.Event
-    _stopping: bool
+    _thread: EngineThread | None
 
     def _init_async(self) -> None:
         self._queues = {}
-        self._loop = None
         self._thread = None
-        self._work = threading.Event()
-        self._stopping = False
+
+    @classmethod
+    async def create(cls, *args, **kwargs):
+        """Build the engine on a new engine thread, which then steps it (services use this)."""
+        thread = EngineThread()
+        try:
+            engine = await thread.run(lambda: cls(*args, **kwargs))
+        except BaseException:
+            thread.stop()
+            raise
+        engine._adopt(thread)
+        return engine
+
+    def _adopt(self, thread: EngineThread) -> None:
+        thread.engine = self
+        self._thread = thread
+
+    async def run_on_engine_thread(self, fn):
+        """``fn()`` on the engine thread, between steps: torch work beside the engine (page copies)."""
+        self._ensure_thread()
+        return await self._thread.run(fn)
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -115,63 +131,38 @@ class AsyncEngineMixin:
                 self._work.set()
 
     def _ensure_thread(self) -> None:
-        self._loop = asyncio.get_running_loop()  # outputs go to the loop that streams now
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._thread_main, name="kvbus-engine", daemon=True)
-        self._thread.start()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._adopt(thread := EngineThread())
+        thread.loop = asyncio.get_running_loop()  # outputs go to the loop that streams now
 
-    def _thread_main(self) -> None:
-        while not self._stopping:
-            loop = self._loop
-            if loop is None or loop.is_closed():  # asyncio.run() ended: sync callers may step now
-                break
-            if not self.has_unfinished():
-                self._work.wait()
-                self._work.clear()
-                continue
-            try:
-                outputs, error = self.step(), None
-            except Exception as exc:  # a bug in a step must not hang every stream
-                log.exception("engine step failed; failing every running request")
-                outputs, error = self._fail_all(), RuntimeError(f"engine step failed: {exc!r}")
-            if outputs:
-                self._post(self._deliver, outputs, error)
+    @property
+    def _work(self) -> threading.Event:
+        return self._thread.work
 
     def _claim_sync(self) -> None:
         """Before a step from outside the engine thread: the thread must be gone. One left by a
         closed event loop is stopped; one serving a live loop means a caller mixed the sync and
         async APIs on one engine, which would step it from two threads at once."""
         thread = self._thread
-        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+        if thread is None or thread.is_current() or not thread.is_alive():
             return
-        loop = self._loop
+        loop = thread.loop
         if loop is not None and not loop.is_closed() and loop.is_running():
             raise RuntimeError("this engine is driven by its async API in another thread; "
                                "don't call step() or generate_sync() beside it")
-        self._stopping = True
-        self._work.set()
+        thread.stop()
         thread.join()
         self._thread = None
 
-    def _post(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # that loop is closed: nobody is listening any more
-            pass
-
-    def _deliver(self, outputs: list, error: Exception | None) -> None:
+    def deliver(self, outputs: list, error: Exception | None) -> None:
         """On the event loop: hand each output (or the step's error) to its stream."""
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(error if error is not None else out)
 
-    def _fail_all(self) -> list[RequestOutput]:
+    def fail_all(self) -> list[RequestOutput]:
         """On the engine thread: abort every request after a failed step; their final outputs."""
         return [self._finish(seq, "abort", []) for seq in list(self._seqs.values())]
 
@@ -180,7 +171,6 @@ class AsyncEngineMixin:
         thread = self._thread
         if thread is None:
             return
-        self._stopping = True
-        self._work.set()
+        thread.stop()
         await asyncio.to_thread(thread.join)
         self._thread = None

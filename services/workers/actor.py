@@ -43,7 +43,7 @@ class EngineWorker(Actor):
         if self.engine is None:
             from services.engine import LLMEngine
 
-            self.engine = await asyncio.to_thread(LLMEngine, self.config.engine_config)
+            self.engine = await LLMEngine.create(self.config.engine_config)
 
     async def start(self, bus) -> None:
         await super().start(bus)
