@@ -3,9 +3,10 @@
 
     python -m bench.kernels_bench [--iters 50] [--cases decode,sample]
 
-Always times the plain-torch references on CPU (the engine's CPU path, called 30 layers x
-every step). Where CUDA exists it also times the Triton launchers and the references on the
-GPU and prints the ratio. Figures swing 20-30% between runs on shared machines.
+Always times the plain-torch references on CPU, and the native CPU kernels (kernels/cpu/, the
+engine's CPU path where they exist, called 30 layers x every step) beside them with the ratio.
+Where CUDA exists it also times the Triton launchers and the references on the GPU and prints
+the ratio. Figures swing 20-30% between runs on shared machines.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def cases(device):
         q = torch.randn(batch, NUM_Q, HEAD_DIM, **f32)
         out[f"decode_attention B={batch} ctx<={ctx}"] = (
             "paged_decode_attention", (q, kc, vc, bt, sl, HEAD_DIM**-0.5))
-    for prefix, new in ((0, 512), (512, 128)):
+    for batch, ctx in ((4, 3000),):
+        kc, vc, bt, sl = _paged(device, [ctx] * batch)
+        q = torch.randn(batch, NUM_Q, HEAD_DIM, **f32)
+        out[f"decode_attention B={batch} ctx={ctx}"] = (
+            "paged_decode_attention", (q, kc, vc, bt, sl, HEAD_DIM**-0.5))
+    for prefix, new in ((0, 512), (512, 128), (0, 1024), (3000, 500)):
         kc, vc, bt, sl = _paged(device, [prefix + new])
         q = torch.randn(new, NUM_Q, HEAD_DIM, **f32)
         cu = torch.tensor([0, new], dtype=torch.int32, device=device)
@@ -83,6 +89,12 @@ def cases(device):
     out["sample B=8 top_k=50 top_p=0.9 min_p=0.05"] = ("sample", (logits, *params(0.8, 50, 0.9, 0.05, -1)))
     out["compute_logprobs B=8 top 5"] = (None, (logits, torch.zeros(8, **i64), 5))
     return out
+
+
+def native_ok(kernel: str, call_args) -> bool:
+    from kernels import attention_cpu
+
+    return attention_cpu.can_run(*call_args[:2])
 
 
 def time_call(fn, args, iters: int, device: str) -> float:
@@ -116,9 +128,15 @@ def main() -> None:
     for name, (kernel, call_args) in cases("cpu").items():
         if keep(name):
             fn = KERNELS[kernel].reference if kernel else compute_logprobs
-            rows.append([name, f"{time_call(fn, call_args, args.iters, 'cpu'):.1f}"])
-    print("CPU, plain-torch references (median us per call)\n")
-    print(table(rows, ["case", "reference us"]))
+            ref_us = time_call(fn, call_args, args.iters, "cpu")
+            native = KERNELS[kernel].cpu if kernel else None
+            if native is not None and native_ok(kernel, call_args):
+                nat_us = time_call(native, call_args, args.iters, "cpu")
+                rows.append([name, f"{ref_us:.1f}", f"{nat_us:.1f}", f"{ref_us / nat_us:.2f}x"])
+            else:
+                rows.append([name, f"{ref_us:.1f}", "", ""])
+    print("CPU, plain-torch references and native kernels (median us per call)\n")
+    print(table(rows, ["case", "reference us", "native us", "speedup"]))
 
     if torch.cuda.is_available():
         rows = []

@@ -30,7 +30,7 @@ paged_prefill_attention = register(
     attention_prefill.paged_prefill_attention_ref,
     attention_prefill.paged_prefill_attention_triton,
     cpu=attention_cpu.paged_prefill_attention_cpu,
-    cpu_ok=attention_cpu.can_run_prefill,
+    cpu_ok=attention_cpu.can_run,
 )
 gather_pages = register("gather_pages", page_copy.gather_pages_ref, page_copy.gather_pages_triton)
 scatter_pages = register("scatter_pages", page_copy.scatter_pages_ref, page_copy.scatter_pages_triton)

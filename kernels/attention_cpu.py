@@ -89,14 +89,3 @@ def paged_prefill_attention_cpu(
     check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
     return _launch(q, k_cache, v_cache, block_tables, _int32(cu_seqlens_q), seq_lens, scale, k_scale, v_scale)
 
-
-NATIVE_MAX_Q = 32
-"""Longest per-sequence chunk the native prefill serves in auto mode. Past it torch's fused
-flash kernel over gathered pages wins (its blocked GEMMs beat our tiles; docs/engine.md)."""
-
-
-def can_run_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *args) -> bool:
-    max_q = args[3] if len(args) > 3 and args[3] is not None else None
-    if max_q is None:
-        return False
-    return max_q <= NATIVE_MAX_Q and can_run(q, k_cache)

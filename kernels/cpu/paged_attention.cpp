@@ -38,7 +38,7 @@ namespace kvbus_cpu {
 namespace {
 
 constexpr int TILE = 16;          // KV tokens per tile
-constexpr int BLOCK_M = 16;       // new tokens per task (prefill/extend)
+constexpr int BLOCK_M = 32;       // new tokens per task (prefill/extend)
 constexpr int SPLIT_TOKENS = 512; // smallest KV range a split task covers
 
 // exp(x) for x <= 0 (softmax arguments), Cephes-style: x = n ln2 + r, |r| <= ln2/2, a degree-6
@@ -59,6 +59,34 @@ inline float exp_nonpos(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
 }
+
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KVBUS_AVX512 1
+
+// exp_nonpos on 16 lanes (same polynomial; round-to-nearest range reduction).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __mmask16 lanes(int count) {  // the first `count` of 16 lanes (count may be <= 0 or >= 16)
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+#endif
 
 struct Fp8Table {
   float v[256];
@@ -100,12 +128,120 @@ struct Params {
   int page_size, num_kv_heads, group, head_dim;
 };
 
+#if defined(KVBUS_AVX512)
+// Many rows (prefill/extend blocks): 32-token KV tiles, S = Q.K^T four rows at a time from a
+// transposed tile (one broadcast-FMA per d into 8 register accumulators), a vector softmax per
+// row, and P.V with the row's accumulator held in registers.
+constexpr int TILE_WIDE = 32;
+
+template <typename KV, int D>
+void attend_wide(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
+                 float* acc, float* m, float* l, float* scratch) {
+  constexpr int TN = TILE_WIDE, ND = D / 16;
+  float* K = scratch;          // [TN, D] converted rows (non-fp32 caches)
+  float* V = K + TN * D;       // [TN, D]
+  float* Kt = V + TN * D;      // [D, TN]
+  float* S = Kt + TN * D;      // [R, TN]
+  const KV* kc = reinterpret_cast<const KV*>(p.k_base);
+  const KV* vc = reinterpret_cast<const KV*>(p.v_base);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.bt_stride;
+  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+  std::fill(acc, acc + static_cast<int64_t>(R) * D, 0.f);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int page_idx = k0 / p.page_size, slot = k0 % p.page_size;
+  const float* krow[TN];
+  const float* vrow[TN];
+  for (int t0 = k0; t0 < k1; t0 += TN) {
+    const int n = std::min(TN, k1 - t0);
+    for (int j = 0; j < n; ++j) {
+      const int64_t page = table[page_idx];
+      const KV* ks = kc + page * p.k_stride_page + slot * p.k_stride_tok + h * p.k_stride_head;
+      const KV* vs = vc + page * p.v_stride_page + slot * p.v_stride_tok + h * p.v_stride_head;
+      if constexpr (std::is_same_v<KV, float>) {
+        krow[j] = ks, vrow[j] = vs;
+      } else {
+        load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
+        krow[j] = K + j * D, vrow[j] = V + j * D;
+      }
+      if (++slot == p.page_size) slot = 0, ++page_idx;
+    }
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < D; ++d) Kt[d * TN + j] = krow[j][d];
+    for (int j = n; j < TN; ++j)
+      for (int d = 0; d < D; ++d) Kt[d * TN + j] = 0.f;
+    int r = 0;
+    for (; r + 4 <= R; r += 4) {
+      __m512 s0a = _mm512_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a, s2a = s0a, s2b = s0a, s3a = s0a, s3b = s0a;
+      const float* q0 = Q + r * D;
+      for (int d = 0; d < D; ++d) {
+        const __m512 ka = _mm512_loadu_ps(Kt + d * TN), kb = _mm512_loadu_ps(Kt + d * TN + 16);
+        __m512 q = _mm512_set1_ps(q0[d]);
+        s0a = _mm512_fmadd_ps(q, ka, s0a), s0b = _mm512_fmadd_ps(q, kb, s0b);
+        q = _mm512_set1_ps(q0[D + d]);
+        s1a = _mm512_fmadd_ps(q, ka, s1a), s1b = _mm512_fmadd_ps(q, kb, s1b);
+        q = _mm512_set1_ps(q0[2 * D + d]);
+        s2a = _mm512_fmadd_ps(q, ka, s2a), s2b = _mm512_fmadd_ps(q, kb, s2b);
+        q = _mm512_set1_ps(q0[3 * D + d]);
+        s3a = _mm512_fmadd_ps(q, ka, s3a), s3b = _mm512_fmadd_ps(q, kb, s3b);
+      }
+      float* srow = S + r * TN;
+      _mm512_storeu_ps(srow, s0a), _mm512_storeu_ps(srow + 16, s0b);
+      _mm512_storeu_ps(srow + TN, s1a), _mm512_storeu_ps(srow + TN + 16, s1b);
+      _mm512_storeu_ps(srow + 2 * TN, s2a), _mm512_storeu_ps(srow + 2 * TN + 16, s2b);
+      _mm512_storeu_ps(srow + 3 * TN, s3a), _mm512_storeu_ps(srow + 3 * TN + 16, s3b);
+    }
+    for (; r < R; ++r) {
+      __m512 sa = _mm512_setzero_ps(), sb = sa;
+      const float* q0 = Q + r * D;
+      for (int d = 0; d < D; ++d) {
+        const __m512 q = _mm512_set1_ps(q0[d]);
+        sa = _mm512_fmadd_ps(q, _mm512_loadu_ps(Kt + d * TN), sa);
+        sb = _mm512_fmadd_ps(q, _mm512_loadu_ps(Kt + d * TN + 16), sb);
+      }
+      _mm512_storeu_ps(S + r * TN, sa), _mm512_storeu_ps(S + r * TN + 16, sb);
+    }
+    for (r = 0; r < R; ++r) {
+      const int visible = std::min(n, limits[r] - t0);
+      if (visible <= 0) continue;
+      const __mmask16 ma = lanes(visible), mb = lanes(visible - 16);
+      const __m512 sa = _mm512_mask_loadu_ps(ninf, ma, S + r * TN);
+      const __m512 sb = _mm512_mask_loadu_ps(ninf, mb, S + r * TN + 16);
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(sa, sb)));
+      const __m512 mv = _mm512_set1_ps(mx);
+      const __m512 pa = _mm512_maskz_mov_ps(ma, exp512(_mm512_sub_ps(sa, mv)));
+      const __m512 pb = _mm512_maskz_mov_ps(mb, exp512(_mm512_sub_ps(sb, mv)));
+      const float alpha = exp_nonpos(m[r] - mx);
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+      m[r] = mx;
+      alignas(64) float pj[TN];
+      _mm512_store_ps(pj, pa), _mm512_store_ps(pj + 16, pb);
+      float* arow = acc + static_cast<int64_t>(r) * D;
+      __m512 a[ND];
+      const __m512 al = _mm512_set1_ps(alpha);
+      for (int i = 0; i < ND; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * i), al);
+      for (int j = 0; j < visible; ++j) {
+        const __m512 w = _mm512_set1_ps(pj[j]);
+        const float* v = vrow[j];
+        for (int i = 0; i < ND; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), a[i]);
+      }
+      for (int i = 0; i < ND; ++i) _mm512_storeu_ps(arow + 16 * i, a[i]);
+    }
+  }
+}
+#endif
+
 // One task: rows [row0, row0 + num_tokens) of sequence b (their positions prefix + i), KV head
 // h, KV tokens [k0, k1). Q holds the R = num_tokens * group query rows (token-major, already
 // scaled). acc / m / l receive the unnormalized result.
 template <typename KV, int D>
 void attend(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
             float* acc, float* m, float* l, float* scratch) {
+#if defined(KVBUS_AVX512)
+  // NOTE: one path per head size, whatever the number of rows, so a row's arithmetic never
+  // depends on how many rows share its task (a prompt's last token gives the same logits
+  // whether its prefix was cached or not).
+  if constexpr (D == 64 || D == 128) return attend_wide<KV, D>(p, b, h, Q, limits, R, k0, k1, acc, m, l, scratch);
+#endif
   const int head_dim = D > 0 ? D : p.head_dim;
   float* K = scratch;                    // [TILE, D]
   float* V = K + TILE * head_dim;        // [TILE, D]
@@ -224,6 +360,7 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
   }
 }
 
+
 struct Task {
   int b, h, tok0, num_tokens, k0, k1, split, num_splits;
   int64_t partial;  // index of this task's partial slot; -1 when not split
@@ -272,7 +409,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
   const int threads = std::max(1, at::get_num_threads());
   const int64_t num_units = static_cast<int64_t>(units.size()) * p.num_kv_heads;
-  const int64_t want_splits = num_units >= 4 * threads ? 1 : (4 * threads + num_units - 1) / num_units;
+  // Only decode splits: a prefill row's result must not depend on the batch (see attend).
+  const int64_t want_splits =
+      !is_decode || num_units >= 4 * threads ? 1 : (4 * threads + num_units - 1) / num_units;
   std::vector<Task> tasks;
   int64_t num_partials = 0;
   for (const Unit& u : units) {
@@ -305,7 +444,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> buf(row_floats * 2 + max_rows * (TILE + 2 + BLOCK_M) + 3 * TILE * head_dim + TILE * head_dim);
+    // Q, acc, m, l, limits, then the tile scratch of either path (the wide one: 3 x 32 x D + R x 32)
+    std::vector<float> buf(row_floats * 2 + max_rows * (2 + BLOCK_M) + 3 * 32 * head_dim + max_rows * 32 + 64);
     float* Q = buf.data();
     float* acc = Q + row_floats;
     float* m = acc + row_floats;

@@ -38,7 +38,7 @@ class CpuWeight:
     def __init__(self, w: torch.Tensor):
         self.out_features = w.shape[0]
         self.packed = pack_columns(w)
-        self.dense = prepack(w)
+        self.dense = prepack(w, PREFILL_ROWS)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,9 +63,14 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def prepack(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] weight -> oneDNN's blocked layout (tuned for a batch of one row)."""
-    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+PREFILL_ROWS = 512
+"""oneDNN's layout hint for the copy that serves prefill: ~200 GFLOP/s at 512-1024 rows, against
+~165-178 with the hint of one row that suits a copy serving decode too."""
+
+
+def prepack(w: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """[out, in] weight -> oneDNN's blocked layout, tuned for batches of ``rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
 
 def prepack_weights(w: ModelWeights) -> None:

@@ -100,3 +100,45 @@ def test_import_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "KVBUS_KERNELS"}
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_native_cpu_kernels_build_where_a_compiler_is():
+    # a broken build would otherwise only show as skipped native tests and a slow engine
+    import os
+    import shutil
+
+    from kernels import native
+
+    if os.environ.get(native.ENV_ENABLE, "1") == "0" or shutil.which("g++") is None:
+        pytest.skip("native kernels disabled or no C++ compiler")
+    assert native.available(), native.unavailable_reason()
+
+
+def test_auto_mode_runs_the_native_attention_on_cpu(monkeypatch):
+    from kernels import KERNELS, attention_cpu, native, paged_decode_attention, set_backend
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    assert KERNELS["paged_decode_attention"].cpu is attention_cpu.paged_decode_attention_cpu
+    calls = []
+    real = native.ops().paged_attention
+
+    class Spy:
+        def paged_attention(self, *args):
+            calls.append(len(args))
+            return real(*args)
+
+    monkeypatch.setattr(native, "ops", lambda: Spy())
+    q = torch.randn(1, 2, 16)
+    cache = torch.randn(4, 4, 1, 16)
+    tables, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    set_backend("auto")
+    try:
+        paged_decode_attention(q, cache, cache, tables, lens, 0.25)
+        assert calls, "auto mode on CPU did not reach the native op"
+        calls.clear()
+        set_backend("torch")  # the reference never touches it
+        paged_decode_attention(q, cache, cache, tables, lens, 0.25)
+        assert not calls
+    finally:
+        set_backend(None)
