@@ -83,7 +83,13 @@ def unlink_segment(name: str, *, tracked: bool) -> bool:
 def _fill(shm: shared_memory.SharedMemory, payload: torch.Tensor) -> int:
     # dst: [num_bytes] uint8 over the mapping; payload may live on any device.
     dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=payload.numel())
-    dst.copy_(payload)
+    if payload.is_cuda:
+        dst.copy_(payload)
+    else:
+        # NOTE: a plain memcpy, not torch's copy_: this runs on a helper thread, and a torch
+        # parallel region there would start a second OpenMP pool that slows the engine's
+        # steps (services/engine/engine_thread.py).
+        dst.numpy()[:] = payload.contiguous().numpy()
     crc = checksum(dst)
     del dst  # NOTE: the mapping cannot be closed while a tensor exports its buffer
     return crc
