@@ -86,6 +86,31 @@ inline __m512 exp512(__m512 x) {
 inline __mmask16 lanes(int count) {  // the first `count` of 16 lanes (count may be <= 0 or >= 16)
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
 }
+
+// In-register 16 x 16 transpose: r[i] holds row i on entry, column i on exit.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
 #endif
 
 struct Fp8Table {
@@ -135,8 +160,10 @@ struct Params {
 constexpr int TILE_WIDE = 32;
 
 template <typename KV, int D>
-void attend_wide(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
-                 float* acc, float* m, float* l, float* scratch) {
+void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, const int* limits, int R, int k0,
+                 int k1, float* acc_all, float* m_all, float* l_all, float* scratch) {
+  // Heads h0 .. h0 + nh - 1, their rows one after another (R each, same limits); each 32-token
+  // tile is walked once for all of them, so a page's K and V are read in address order.
   constexpr int TN = TILE_WIDE, ND = D / 16;
   float* K = scratch;          // [TN, D] converted rows (non-fp32 caches)
   float* V = K + TN * D;       // [TN, D]
@@ -145,30 +172,68 @@ void attend_wide(const Params& p, int b, int h, const float* Q, const int* limit
   const KV* kc = reinterpret_cast<const KV*>(p.k_base);
   const KV* vc = reinterpret_cast<const KV*>(p.v_base);
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.bt_stride;
-  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
-  std::fill(acc, acc + static_cast<int64_t>(R) * D, 0.f);
+  for (int r = 0; r < nh * R; ++r) m_all[r] = -std::numeric_limits<float>::infinity(), l_all[r] = 0.f;
+  std::fill(acc_all, acc_all + static_cast<int64_t>(nh) * R * D, 0.f);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int page_idx = k0 / p.page_size, slot = k0 % p.page_size;
+  int64_t kbase[TN], vbase[TN];
   const float* krow[TN];
   const float* vrow[TN];
   for (int t0 = k0; t0 < k1; t0 += TN) {
     const int n = std::min(TN, k1 - t0);
     for (int j = 0; j < n; ++j) {
       const int64_t page = table[page_idx];
-      const KV* ks = kc + page * p.k_stride_page + slot * p.k_stride_tok + h * p.k_stride_head;
-      const KV* vs = vc + page * p.v_stride_page + slot * p.v_stride_tok + h * p.v_stride_head;
+      kbase[j] = page * p.k_stride_page + slot * p.k_stride_tok;
+      vbase[j] = page * p.v_stride_page + slot * p.v_stride_tok;
+      if (++slot == p.page_size) slot = 0, ++page_idx;
+    }
+    // Prefetch the next tile's rows into L2 while this one computes: pages sit anywhere in the
+    // pool, so the hardware prefetcher has to find every page's stream anew (decode attention
+    // ran at ~9 GB/s from DRAM without this).
+    {
+      const int n_next = std::min(TN, k1 - (t0 + n));
+      int pi = page_idx, sl = slot;
+      constexpr int row_bytes = D * static_cast<int>(sizeof(KV));
+      for (int j = 0; j < n_next; ++j) {
+        const int64_t page = table[pi];
+        const char* kr = reinterpret_cast<const char*>(kc + page * p.k_stride_page + sl * p.k_stride_tok + h0 * p.k_stride_head);
+        const char* vr = reinterpret_cast<const char*>(vc + page * p.v_stride_page + sl * p.v_stride_tok + h0 * p.v_stride_head);
+        for (int hi = 0; hi < nh; ++hi) {
+          for (int off = 0; off < row_bytes; off += 64) {
+            _mm_prefetch(kr + hi * p.k_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
+            _mm_prefetch(vr + hi * p.v_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
+          }
+        }
+        if (++sl == p.page_size) sl = 0, ++pi;
+      }
+    }
+    for (int hi = 0; hi < nh; ++hi) {
+    const int h = h0 + hi;
+    const float* Q = Q_all + static_cast<int64_t>(hi) * R * D;
+    float* acc = acc_all + static_cast<int64_t>(hi) * R * D;
+    float* m = m_all + hi * R;
+    float* l = l_all + hi * R;
+    for (int j = 0; j < n; ++j) {
+      const KV* ks = kc + kbase[j] + h * p.k_stride_head;
+      const KV* vs = vc + vbase[j] + h * p.v_stride_head;
       if constexpr (std::is_same_v<KV, float>) {
         krow[j] = ks, vrow[j] = vs;
       } else {
         load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
         krow[j] = K + j * D, vrow[j] = V + j * D;
       }
-      if (++slot == p.page_size) slot = 0, ++page_idx;
     }
-    for (int j = 0; j < n; ++j)
-      for (int d = 0; d < D; ++d) Kt[d * TN + j] = krow[j][d];
-    for (int j = n; j < TN; ++j)
-      for (int d = 0; d < D; ++d) Kt[d * TN + j] = 0.f;
+    // Kt [D, TN] by 16 x 16 blocks transposed in registers (a scalar gather cost more than the
+    // whole QK for decode's few rows)
+    for (int jb = 0; jb < TN; jb += 16) {
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 blk[16];
+        for (int j = 0; j < 16; ++j)
+          blk[j] = jb + j < n ? _mm512_loadu_ps(krow[jb + j] + d0) : _mm512_setzero_ps();
+        transpose16(blk);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(Kt + (d0 + i) * TN + jb, blk[i]);
+      }
+    }
     int r = 0;
     for (; r + 4 <= R; r += 4) {
       __m512 s0a = _mm512_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a, s2a = s0a, s2b = s0a, s3a = s0a, s3b = s0a;
@@ -226,6 +291,7 @@ void attend_wide(const Params& p, int b, int h, const float* Q, const int* limit
       }
       for (int i = 0; i < ND; ++i) _mm512_storeu_ps(arow + 16 * i, a[i]);
     }
+    }  // heads
   }
 }
 #endif
@@ -236,12 +302,6 @@ void attend_wide(const Params& p, int b, int h, const float* Q, const int* limit
 template <typename KV, int D>
 void attend(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
             float* acc, float* m, float* l, float* scratch) {
-#if defined(KVBUS_AVX512)
-  // NOTE: one path per head size, whatever the number of rows, so a row's arithmetic never
-  // depends on how many rows share its task (a prompt's last token gives the same logits
-  // whether its prefix was cached or not).
-  if constexpr (D == 64 || D == 128) return attend_wide<KV, D>(p, b, h, Q, limits, R, k0, k1, acc, m, l, scratch);
-#endif
   const int head_dim = D > 0 ? D : p.head_dim;
   float* K = scratch;                    // [TILE, D]
   float* V = K + TILE * head_dim;        // [TILE, D]
@@ -361,8 +421,29 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
 }
 
 
+// Heads h0 .. h0 + nh - 1 of one task (rows head after head, R each).
+// NOTE: one path per head size, whatever the number of rows, so a row's arithmetic never
+// depends on how many rows share its task (a prompt's last token gives the same logits
+// whether its prefix was cached or not).
+template <typename KV, int D>
+void attend_heads(const Params& p, int b, int h0, int nh, const float* Q, const int* limits, int R, int k0, int k1,
+                  float* acc, float* m, float* l, float* scratch) {
+#if defined(KVBUS_AVX512)
+  if constexpr (D == 64 || D == 128) {
+    attend_wide<KV, D>(p, b, h0, nh, Q, limits, R, k0, k1, acc, m, l, scratch);
+    return;
+  }
+#endif
+  const int head_dim = D > 0 ? D : p.head_dim;
+  for (int hi = 0; hi < nh; ++hi) {
+    const int64_t off = static_cast<int64_t>(hi) * R;
+    attend<KV, D>(p, b, h0 + hi, Q + off * head_dim, limits, R, k0, k1, acc + off * head_dim, m + off, l + off,
+                  scratch);
+  }
+}
+
 struct Task {
-  int b, h, tok0, num_tokens, k0, k1, split, num_splits;
+  int b, h0, nh, tok0, num_tokens, k0, k1, split, num_splits;
   int64_t partial;  // index of this task's partial slot; -1 when not split
 };
 
@@ -408,8 +489,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
   }
   const int threads = std::max(1, at::get_num_threads());
-  const int64_t num_units = static_cast<int64_t>(units.size()) * p.num_kv_heads;
-  // Only decode splits: a prefill row's result must not depend on the batch (see attend).
+  // A task takes every KV head of its rows (a page's K and V are read once, in order) unless
+  // there are too few units to keep every thread busy; then the heads are split into groups.
+  const int64_t num_units0 = static_cast<int64_t>(units.size());
+  const int head_groups = static_cast<int>(std::min<int64_t>(
+      p.num_kv_heads, num_units0 >= 2 * threads ? 1 : (2 * threads + num_units0 - 1) / std::max<int64_t>(1, num_units0)));
+  const int heads_per_group = (p.num_kv_heads + head_groups - 1) / head_groups;
+  const int64_t num_units = num_units0 * head_groups;
+  // Only decode splits: a prefill row's result must not depend on the batch (see attend_heads).
   const int64_t want_splits =
       !is_decode || num_units >= 4 * threads ? 1 : (4 * threads + num_units - 1) / num_units;
   std::vector<Task> tasks;
@@ -419,20 +506,22 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int splits = static_cast<int>(std::min(want_splits, max_splits));
     // split boundaries on tile multiples
     const int tiles = (u.kv_len + TILE - 1) / TILE;
-    for (int h = 0; h < p.num_kv_heads; ++h)
+    for (int h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_group) {
+      const int nh = std::min(heads_per_group, p.num_kv_heads - h0);
       for (int s = 0; s < splits; ++s) {
         const int k0 = static_cast<int>(static_cast<int64_t>(tiles) * s / splits) * TILE;
         const int k1 = std::min(u.kv_len, static_cast<int>(static_cast<int64_t>(tiles) * (s + 1) / splits) * TILE);
-        tasks.push_back({u.b, h, u.tok0, u.num_tokens, k0, k1, s, splits, splits > 1 ? num_partials++ : -1});
+        tasks.push_back({u.b, h0, nh, u.tok0, u.num_tokens, k0, k1, s, splits, splits > 1 ? num_partials++ : -1});
       }
+    }
   }
   // Longest tasks first: dynamic hand-out then balances the causal prefill's uneven rows.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return static_cast<int64_t>(a.k1 - a.k0) * a.num_tokens > static_cast<int64_t>(b.k1 - b.k0) * b.num_tokens;
+    return static_cast<int64_t>(a.k1 - a.k0) * a.num_tokens * a.nh > static_cast<int64_t>(b.k1 - b.k0) * b.num_tokens * b.nh;
   });
 
   const int G = p.group;
-  const int max_rows = BLOCK_M * G;
+  const int max_rows = BLOCK_M * G * heads_per_group;
   const int64_t row_floats = static_cast<int64_t>(max_rows) * head_dim;
   // partials: per split task, R rows of (acc[D], m, l)
   std::vector<float> partial(static_cast<size_t>(num_partials) * max_rows * (head_dim + 2));
@@ -454,32 +543,36 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     float* scratch = reinterpret_cast<float*>(limits + max_rows);
     for (int64_t ti; (ti = next.fetch_add(1)) < num_tasks;) {
       const Task& t = tasks[ti];
-      const int R = t.num_tokens * G;
+      const int R = t.num_tokens * G;  // rows per head; the task holds t.nh heads' rows
       const int q_len = is_decode ? 1 : cu[t.b + 1] - cu[t.b];
       const int q_begin = is_decode ? t.b : cu[t.b];
       const int prefix = lens[t.b] - q_len;
-      const float qs = static_cast<float>(scale) * (k_scale ? k_scale[t.h * k_scale_stride] : 1.f);
-      for (int i = 0; i < t.num_tokens; ++i) {
-        const int64_t tok = t.tok0 + i;
-        for (int g = 0; g < G; ++g) {
-          const int r = i * G + g;
-          const Q_T* src = qp + tok * q_st + (t.h * G + g) * q_sh;
-          for (int d = 0; d < head_dim; ++d) Q[r * head_dim + d] = static_cast<float>(src[d]) * qs;
-          limits[r] = std::min<int>(t.k1, prefix + static_cast<int>(tok - q_begin) + 1);
+      for (int hi = 0; hi < t.nh; ++hi) {
+        const int h = t.h0 + hi;
+        const float qs = static_cast<float>(scale) * (k_scale ? k_scale[h * k_scale_stride] : 1.f);
+        for (int i = 0; i < t.num_tokens; ++i) {
+          const int64_t tok = t.tok0 + i;
+          for (int g = 0; g < G; ++g) {
+            const int r = hi * R + i * G + g;
+            const Q_T* src = qp + tok * q_st + (h * G + g) * q_sh;
+            for (int d = 0; d < head_dim; ++d) Q[r * head_dim + d] = static_cast<float>(src[d]) * qs;
+            limits[i * G + g] = std::min<int>(t.k1, prefix + static_cast<int>(tok - q_begin) + 1);
+          }
         }
       }
-      attend<KV, D>(p, t.b, t.h, Q, limits, R, t.k0, t.k1, acc, m, l, scratch);
+      attend_heads<KV, D>(p, t.b, t.h0, t.nh, Q, limits, R, t.k0, t.k1, acc, m, l, scratch);
       if (t.partial < 0) {
-        const float vs = v_scale ? v_scale[t.h * v_scale_stride] : 1.f;
-        for (int r = 0; r < R; ++r) {
-          const int64_t tok = t.tok0 + r / G;
-          Q_T* dst = op + tok * o_st + (t.h * G + r % G) * o_sh;
+        for (int r = 0; r < t.nh * R; ++r) {
+          const int h = t.h0 + r / R, rr = r % R;
+          const float vs = v_scale ? v_scale[h * v_scale_stride] : 1.f;
+          const int64_t tok = t.tok0 + rr / G;
+          Q_T* dst = op + tok * o_st + (h * G + rr % G) * o_sh;
           const float inv = vs / l[r];
           for (int d = 0; d < head_dim; ++d) dst[d] = static_cast<Q_T>(acc[r * head_dim + d] * inv);
         }
       } else {
         float* slot = partial.data() + t.partial * max_rows * (head_dim + 2);
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < t.nh * R; ++r) {
           float* row = slot + r * (head_dim + 2);
           std::memcpy(row, acc + r * head_dim, sizeof(float) * head_dim);
           row[head_dim] = m[r];
@@ -497,8 +590,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t f = begin; f < end; ++f) {
       const Task& t0 = *firsts[f];
       const int R = t0.num_tokens * G;
-      const float vs = v_scale ? v_scale[t0.h * v_scale_stride] : 1.f;
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < t0.nh * R; ++r) {
+        const int h = t0.h0 + r / R, rr = r % R;
+        const float vs = v_scale ? v_scale[h * v_scale_stride] : 1.f;
         float M = -std::numeric_limits<float>::infinity();
         for (int s = 0; s < t0.num_splits; ++s) {
           const float* row = partial.data() + (t0.partial + s) * max_rows * (head_dim + 2) + r * (head_dim + 2);
@@ -514,8 +608,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           L += row[head_dim + 1] * w;
           for (int d = 0; d < head_dim; ++d) o[d] += row[d] * w;
         }
-        const int64_t tok = t0.tok0 + r / G;
-        Q_T* dst = op + tok * o_st + (t0.h * G + r % G) * o_sh;
+        const int64_t tok = t0.tok0 + rr / G;
+        Q_T* dst = op + tok * o_st + (h * G + rr % G) * o_sh;
         const float inv = vs / L;
         for (int d = 0; d < head_dim; ++d) dst[d] = static_cast<Q_T>(o[d] * inv);
       }

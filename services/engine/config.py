@@ -51,8 +51,10 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     """Most prompt tokens computed in one step, over all requests."""
 
-    chunked_prefill_size: int = 512
-    """Most prompt tokens of one request computed in one step; 0 computes a prompt in one step."""
+    chunked_prefill_size: int = 2048
+    """Most prompt tokens of one request computed in one step; 0 computes a prompt in one step.
+    The default equals max_prefill_tokens, so the budget goes to waiting prompts first come, first
+    served (the oldest finishes first, as in vLLM's scheduler) rather than 512 tokens to each."""
 
     enable_mixed_batches: bool = True
     """Run decode tokens and prefill chunks in the same forward pass (else prefill steps pause decoding)."""
