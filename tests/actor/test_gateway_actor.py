@@ -287,6 +287,16 @@ async def test_overloaded_past_max_concurrent_requests(core, engine, worker_conf
 # --- HTTP: the OpenAI API --------------------------------------------------------------------
 
 
+async def test_http_connections_send_small_writes_at_once(cluster):
+    # Nagle on a kept-alive connection held each SSE chunk until the client's delayed ACK of the
+    # previous write (~40 ms on Linux): the listener, whose options the sockets it accepts
+    # inherit on Linux, must have TCP_NODELAY.
+    import socket
+
+    [listener] = [sock for server in cluster.gateway._server.servers for sock in server.sockets]
+    assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
 async def test_http_models_health_and_port(cluster, core, engine, worker_config):
     assert cluster.gateway.http_port and cluster.gateway.http_port != 8000
     async with httpx.AsyncClient(base_url=cluster.url) as http:
