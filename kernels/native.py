@@ -27,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "small_gemm.cpp"))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "packed_gemm.cpp"))
 ENV_ENABLE = "KVBUS_NATIVE"
 ENV_DIR = "KVBUS_NATIVE_DIR"
 NAME = "kvbus_cpu"

@@ -4,7 +4,7 @@ A decode step multiplies every weight by a handful of rows, so its time is the w
 over memory bandwidth. Measured on the 2-core dev VM (docs/engine.md), all 121 projections of
 SmolLM2-135M fp32 (540 MB): MKL's sgemm (``F.linear``) streams them at 6-12 GB/s, oneDNN with
 weights reordered into its blocked layout at 12-17 GB/s, and the native packed kernel
-(``kernels/cpu/small_gemm.cpp``: 16 output columns per vector, no horizontal sums, one pass in
+(``kernels/cpu/packed_gemm.cpp``: 16 output columns per vector, no horizontal sums, one pass in
 order) at 18-29 GB/s for 1-8 rows against ~30 GB/s the machine reads. Prefill batches are
 compute-bound, where oneDNN's blocked GEMM is faster (185 GFLOP/s against MKL's 156), so every
 float32 projection is held twice (:class:`CpuWeight`): packed for decode-only steps of up to
@@ -84,10 +84,13 @@ def prepack_weights(w: ModelWeights) -> None:
     w.lm_head = convert(w.lm_head)  # a copy when tied: the embedding lookup needs the plain table
 
 
-def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
-    """``x @ w.T + b``; ``packed``: this is a decode-only step (the packed kernel may serve it)."""
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = False,
+           max_rows: int | None = NATIVE_MAX_ROWS) -> torch.Tensor:
+    """``x @ w.T + b``; ``packed``: this is a decode-only step, so the packed kernel may serve
+    up to ``max_rows`` rows (``None``: any number, as for the lm_head, whose rows are only the
+    sampling ones: there it always runs, so a row's logits never depend on the step's shape)."""
     if type(w) is CpuWeight:
-        if packed and x.shape[0] <= NATIVE_MAX_ROWS and x.dtype == torch.float32:
+        if packed and (max_rows is None or x.shape[0] <= max_rows) and x.dtype == torch.float32:
             y = torch.empty((x.shape[0], w.out_features), dtype=torch.float32)
             native.ops().packed_gemm(x if x.stride(-1) == 1 else x.contiguous(), w.packed, b, y)
             return y

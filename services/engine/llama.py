@@ -81,7 +81,7 @@ class LlamaModel:
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = rms_norm(h, w.norm, eps, residual)
-        return linear(h, w.lm_head, None, packed).float()
+        return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
 
     def _attention(
         self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
