@@ -4,7 +4,7 @@ Built with torch's C++ extension machinery (g++, ninja, OpenMP, ``-march=native`
 ``~/.cache/kvbus/native/<key>`` (``KVBUS_NATIVE_DIR`` moves it), where the key hashes the
 sources, the torch version and the CPU's flags: a new source, torch or machine builds anew, an
 unchanged one loads in milliseconds. ``deploy/bootstrap.sh`` builds them at install time
-(``python -m kernels.native``); a process that finds no build makes one (~40 s on 2 cores) and
+(``kernels.native.main``); a process that finds no build makes one (~25 s on 2 cores) and
 logs it. The ops run on torch's own OpenMP pool (``at::parallel_for``), so they use the threads
 ``torch.set_num_threads`` gave the process.
 
@@ -56,7 +56,8 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES:  # the path too: ninja rebuilds when another checkout's sources use the folder
+        h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
     h.update(" ".join([torch.__version__, *CFLAGS, _cpu_flags()]).encode())
     root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "kvbus" / "native")
@@ -106,7 +107,7 @@ def unavailable_reason() -> str | None:
 
 
 def main() -> int:
-    """``python -m kernels.native``: build (or find) the native kernels, say where, exit 1 on failure."""
+    """Build (or find) the native kernels, say where, exit 1 on failure (deploy/bootstrap.sh runs it)."""
     logging.basicConfig(level=logging.INFO, format="kvbus native: %(message)s")
     t0 = time.perf_counter()
     if ops(verbose="-v" in sys.argv) is None:

@@ -52,11 +52,6 @@ class AsyncEngineMixin:
         thread.engine = self
         self._thread = thread
 
-    async def run_on_engine_thread(self, fn):
-        """``fn()`` on the engine thread, between steps: torch work beside the engine (page copies)."""
-        self._ensure_thread()
-        return await self._thread.run(fn)
-
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -114,7 +109,7 @@ class AsyncEngineMixin:
         self._ensure_thread()
         submit()
         self._queues[request_id] = queue
-        self._work.set()
+        self._wake()
         finished = False
         try:
             while not finished:
@@ -128,7 +123,7 @@ class AsyncEngineMixin:
                 del self._queues[request_id]
             if not finished:
                 self.abort(request_id)
-                self._work.set()
+                self._wake()
 
     def _ensure_thread(self) -> None:
         thread = self._thread
@@ -136,9 +131,11 @@ class AsyncEngineMixin:
             self._adopt(thread := EngineThread())
         thread.loop = asyncio.get_running_loop()  # outputs go to the loop that streams now
 
-    @property
-    def _work(self) -> threading.Event:
-        return self._thread.work
+    def _wake(self) -> None:
+        """Tell the engine thread there is work (none after aclose: the next stream starts one)."""
+        thread = self._thread
+        if thread is not None:
+            thread.work.set()
 
     def _claim_sync(self) -> None:
         """Before a step from outside the engine thread: the thread must be gone. One left by a
