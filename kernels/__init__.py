@@ -9,7 +9,7 @@ launcher, CPU -> the native CPU kernel where there is one (``kernels/cpu/``, bui
 from __future__ import annotations
 
 from kernels import activation, attention_cpu, attention_decode, attention_prefill, fp8, norm, page_copy, paged_store
-from kernels import rotary, sampling
+from kernels import layer_ops_cpu, rotary, sampling
 from kernels._dispatch import KERNELS, backend_mode, register, set_backend, use_triton
 from kernels._triton import HAS_TRITON
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, compute_fp8_scale
@@ -17,7 +17,10 @@ from kernels.rotary import rope_cos_sin_cache
 from kernels.sampling import compute_logprobs, filter_logits, mix_seed
 
 
-store_kv = register("store_kv", paged_store.store_kv_ref, paged_store.store_kv_triton)
+store_kv = register(
+    "store_kv", paged_store.store_kv_ref, paged_store.store_kv_triton,
+    cpu=layer_ops_cpu.store_kv_cpu, cpu_ok=layer_ops_cpu.store_kv_ok,
+)
 paged_decode_attention = register(
     "paged_decode_attention",
     attention_decode.paged_decode_attention_ref,
@@ -34,9 +37,18 @@ paged_prefill_attention = register(
 )
 gather_pages = register("gather_pages", page_copy.gather_pages_ref, page_copy.gather_pages_triton)
 scatter_pages = register("scatter_pages", page_copy.scatter_pages_ref, page_copy.scatter_pages_triton)
-rms_norm = register("rms_norm", norm.rms_norm_ref, norm.rms_norm_triton)
-apply_rotary = register("apply_rotary", rotary.apply_rotary_ref, rotary.apply_rotary_triton)
-silu_and_mul = register("silu_and_mul", activation.silu_and_mul_ref, activation.silu_and_mul_triton)
+rms_norm = register(
+    "rms_norm", norm.rms_norm_ref, norm.rms_norm_triton,
+    cpu=layer_ops_cpu.rms_norm_cpu, cpu_ok=layer_ops_cpu.rms_norm_ok,
+)
+apply_rotary = register(
+    "apply_rotary", rotary.apply_rotary_ref, rotary.apply_rotary_triton,
+    cpu=layer_ops_cpu.apply_rotary_cpu, cpu_ok=layer_ops_cpu.rotary_ok,
+)
+silu_and_mul = register(
+    "silu_and_mul", activation.silu_and_mul_ref, activation.silu_and_mul_triton,
+    cpu=layer_ops_cpu.silu_and_mul_cpu, cpu_ok=layer_ops_cpu.silu_and_mul_ok,
+)
 quantize_fp8 = register("quantize_fp8", fp8.quantize_fp8_ref, fp8.quantize_fp8_triton)
 dequantize_fp8 = register("dequantize_fp8", fp8.dequantize_fp8_ref, fp8.dequantize_fp8_triton)
 sample = register("sample", sampling.sample_ref, sampling.sample_triton)

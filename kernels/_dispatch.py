@@ -70,7 +70,7 @@ def register(
     """Register a kernel and return its dispatching entry point (signature of the reference).
 
     ``cpu`` is a native CPU launcher used in ``auto`` mode for CPU tensors when
-    ``cpu_ok(*args)`` says it serves the call (dtype, layout, extension built)."""
+    ``cpu_ok(*args, **kwargs)`` says it serves the call (dtype, layout, extension built)."""
     KERNELS[name] = Kernel(name, reference, launcher, cpu)
 
     @functools.wraps(reference)
@@ -80,7 +80,7 @@ def register(
             if args[0].is_cuda:
                 if launcher is not None:
                     return launcher(*args, **kwargs)
-            elif cpu is not None and cpu_ok(*args):
+            elif cpu is not None and cpu_ok(*args, **kwargs):
                 return cpu(*args, **kwargs)
         elif mode == "triton" and launcher is not None:
             return launcher(*args, **kwargs)

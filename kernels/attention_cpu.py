@@ -18,7 +18,7 @@ from kernels.fp8 import FP8_DTYPE
 _NO_CU = torch.empty(0, dtype=torch.int32)
 
 
-def can_run(q: torch.Tensor, k_cache: torch.Tensor, *_args) -> bool:
+def can_run(q: torch.Tensor, k_cache: torch.Tensor, *_args, **_kwargs) -> bool:
     """The native op serves this call: CPU, float32/bfloat16 q, float32/bfloat16/fp8 KV,
     contiguous head dimension, and the extension is built."""
     return (

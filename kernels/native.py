@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "packed_gemm.cpp"))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp"))
+HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("vec_math.h",))
 ENV_ENABLE = "KVBUS_NATIVE"
 ENV_DIR = "KVBUS_NATIVE_DIR"
 NAME = "kvbus_cpu"
@@ -56,7 +57,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     h = hashlib.sha256()
-    for src in SOURCES:  # the path too: ninja rebuilds when another checkout's sources use the folder
+    for src in SOURCES + HEADERS:  # the path too: ninja rebuilds when another checkout's sources use the folder
         h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
     h.update(" ".join([torch.__version__, *CFLAGS, _cpu_flags()]).encode())

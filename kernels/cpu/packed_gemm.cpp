@@ -31,12 +31,18 @@ namespace kvbus_cpu {
 namespace {
 
 // Two column blocks x up to 8 rows of x = 16 accumulators.
+constexpr int64_t PREFETCH_LINES = 16;
 
 #if defined(__AVX512F__)
 template <int MR>
 inline void packed_tile(const float* w0, const float* w1, const float* const* xr, int64_t K, __m512 acc[2][8]) {
   for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    // Each k consumes one cache line of each block; fetching 16 lines ahead lets the loads
+    // overlap the FMAs once 8 rows make the loop compute-heavy (~5% at 8 rows, measured with
+    // all 210 layer projections on the dev VM; a prefetch past the end never faults).
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (k + PREFETCH_LINES) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + (k + PREFETCH_LINES) * 16), _MM_HINT_T0);
     const __m512 a = _mm512_loadu_ps(w0 + k * 16);
     const __m512 b = _mm512_loadu_ps(w1 + k * 16);
     for (int j = 0; j < MR; ++j) {
