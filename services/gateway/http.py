@@ -229,7 +229,7 @@ def create_app(actor: GatewayActor) -> FastAPI:
             openai_req = decode_body(body, kind.request_type)
             gen_req = kind.to_generate(openai_req)
         except BusError as exc:  # refused before the pipeline: counted here
-            metrics.observe_request(kind.endpoint, 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[exc.code],
+            metrics.observe_request(kind.endpoint, error_response(exc)[0],
                                     exc.code.value)
             return _error(exc)
         request_id = kind.id_prefix + uuid.uuid4().hex
