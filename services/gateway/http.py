@@ -27,6 +27,7 @@ from bus.errors import HTTP_STATUS, BusError, Internal
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.engine import Usage
 from services.actor import VERSION
+from services.gateway.auth import install_auth
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_mapping import (
     BodyTooLarge,
@@ -209,6 +210,7 @@ def create_app(actor: GatewayActor) -> FastAPI:
     pipeline: GenerationPipeline = actor.pipeline
     metrics = actor.metrics
     app = FastAPI(title="kvbus gateway", version=VERSION, docs_url=None, redoc_url=None)
+    install_auth(app, actor.config)  # API keys on /v1 when configured (services/gateway/auth.py)
     started = int(time.time())
 
     @app.exception_handler(StarletteHTTPException)
