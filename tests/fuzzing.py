@@ -104,7 +104,10 @@ SAMPLING = st.fixed_dictionaries(
         "skip_special_tokens": st.booleans(),
     },
 )
-MESSAGES = st.lists(_extra_keys(st.fixed_dictionaries({"role": ROLES, "content": CONTENT})), max_size=4)
+GOOD_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                 "content": TEXT}), min_size=1, max_size=3)
+MESSAGES = GOOD_MESSAGES | GOOD_MESSAGES | st.lists(
+    _extra_keys(st.fixed_dictionaries({"role": ROLES, "content": CONTENT})), max_size=4)
 GENERATE_BODY = _extra_keys(st.one_of(
     st.fixed_dictionaries({"prompt": _maybe_bad(TEXT)}, optional={"sampling": _extra_keys(SAMPLING)}),
     st.fixed_dictionaries({"messages": _maybe_bad(MESSAGES)}, optional={"sampling": _extra_keys(SAMPLING)}),

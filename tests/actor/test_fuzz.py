@@ -52,3 +52,22 @@ def test_services_survive_and_nothing_leaks(system):
     """Runs after the surfaces (file order): every service still answers, every page is free."""
     assert system.alive() == []
     assert system.leaks() == []
+
+
+@pytest.mark.slow
+def test_one_bad_request_among_good_ones_fails_alone(system, http):
+    """The issue's case: ``top_k: 1000000000000`` beside good requests on one worker. It gets a 400
+    naming top_k; the good ones complete exactly as they do alone."""
+    import concurrent.futures
+
+    good = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in
+            ("The capital of France is", "Once upon a time", "1, 2, 3,")]
+    bad = {"prompt": "Hello", "max_tokens": 8, "top_k": 1000000000000}
+    alone = [http.post("/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] for body in good]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(http.post, "/v1/completions", json=body, timeout=120) for body in [*good, bad]]
+        answers = [f.result() for f in futures]
+    *good_answers, bad_answer = answers
+    assert bad_answer.status_code == 400 and bad_answer.json()["error"]["param"] == "top_k"
+    assert [a.json()["choices"][0]["text"] for a in good_answers] == alone
+    assert system.leaks() == []
