@@ -71,3 +71,28 @@ def test_one_bad_request_among_good_ones_fails_alone(system, http):
     assert bad_answer.status_code == 400 and bad_answer.json()["error"]["param"] == "top_k"
     assert [a.json()["choices"][0]["text"] for a in good_answers] == alone
     assert system.leaks() == []
+
+
+def test_limits_and_unknown_fields_are_refused_before_any_work(system, http):
+    """Each of the issue's cases, end to end: typed errors, named fields, and no generation started."""
+    from bus.subjects import GENERATE_ONCE
+    from tests.fuzzing import MAX_PAYLOAD, RawInput
+
+    steps = system.worker.engine.stats.num_steps
+    # A prompt over NATS's max_payload through HTTP: 413, not 500.
+    r = http.post("/v1/completions", json={"prompt": "a" * (MAX_PAYLOAD + 10), "max_tokens": 1}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    # max_tokens past the context: refused before tokenizing.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**9}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # Chat roles and content as OpenAI checks them.
+    for message, param in [({"role": "wizard", "content": "hi"}, "messages[0].role"),
+                           ({"role": "user", "content": None}, "messages[0].content")]:
+        r = http.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 1}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # Unknown fields, named: HTTP and NATS.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "max_tokenz": 5}, timeout=60)
+    assert r.status_code == 400 and "max_tokenz" in r.json()["error"]["message"], r.text
+    outcome, detail = system.send_nats(GENERATE_ONCE, RawInput(b'{"prompt": "x", "max_tokens": 5}'))
+    assert (outcome, detail) == ("refused", "invalid_argument")
+    assert system.worker.engine.stats.num_steps == steps  # none of them reached the engine
