@@ -51,12 +51,19 @@ def _decoder(type_: type, encoding: Encoding):
     return msgspec.msgpack.Decoder(type_)
 
 
-def decode(data: bytes, type_: type, encoding: Encoding) -> Any:
-    """Decode ``data`` as ``type_``; a malformed payload raises InvalidArgument."""
+def decode(data: bytes, type_: type, encoding: Encoding, subject: str | None = None) -> Any:
+    """Decode ``data`` as ``type_``; a malformed payload raises InvalidArgument.
+
+    The message names the subject (when given), the expected type and the encoding, and
+    msgspec's reason (which names an unknown or mistyped field and its path), so a
+    message of the wrong type or version is refused with a clear error.
+    """
     try:
         return _decoder(type_, encoding).decode(data if data else _empty(encoding))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidArgument(f"malformed {type_.__name__}: {exc}") from None
+        where = f" on {subject}" if subject else ""
+        kind = "JSON" if encoding is Encoding.JSON else "MessagePack"
+        raise InvalidArgument(f"malformed {type_.__name__} ({kind}){where}: {exc}") from None
 
 
 def _empty(encoding: Encoding) -> bytes:

@@ -32,6 +32,7 @@ from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
 from bus.errors import (
     BusError,
     Internal,
+    PayloadTooLarge,
     Timeout,
     Unavailable,
     error_from_headers,
@@ -161,7 +162,8 @@ class Bus:
         self._pending[token] = future
         try:
             with tracing.client_span(f"{subject.template} request", out_headers, **{"messaging.destination": name}):
-                await self.transport.publish(name, encode(message, subject.encoding), out_headers, reply=inbox)
+                data = self._encode_within_limit(message, subject, name, out_headers)
+                await self.transport.publish(name, data, out_headers, reply=inbox)
                 try:
                     raw = await asyncio.wait_for(future, timeout)
                 except asyncio.TimeoutError:
@@ -194,7 +196,9 @@ class Bus:
         """Fire-and-forget event."""
         out_headers = self._headers(subject, headers)
         tracing.inject(out_headers)
-        await self.transport.publish(subject.format(**params), encode(message, subject.encoding), out_headers)
+        name = subject.format(**params)
+        await self.transport.publish(name, self._encode_within_limit(message, subject, name, out_headers),
+                                     out_headers)
 
     # --- serving ----------------------------------------------------------------------
     async def serve(self, subject: Subject, handler: Callable, *, queue: str | None | bool = True,
@@ -234,7 +238,7 @@ class Bus:
         async def on_message(raw: RawMsg) -> None:
             try:
                 enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding)
-                event = decode(raw.data, subject.request, enc)
+                event = decode(raw.data, subject.request, enc, raw.subject)
                 with tracing.server_span(f"{subject.template} event", raw.headers):
                     await handler(event)
             except Exception:
@@ -279,6 +283,21 @@ class Bus:
         await self.transport.close()
 
     # --- internals --------------------------------------------------------------------
+    def _encode_within_limit(self, message: Any, subject: Subject, name: str, headers: dict[str, str]) -> bytes:
+        """The encoded message; one over the server's max_payload raises PayloadTooLarge before any send.
+
+        NOTE: nats-server counts headers plus body against max_payload and drops the whole
+        connection on a violation, so both are counted here.
+        """
+        data = encode(message, subject.encoding)
+        limit = self.transport.max_payload
+        if limit:
+            size = len(data) + 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())  # "NATS/1.0\r\n...\r\n"
+            if size > limit:
+                raise PayloadTooLarge(f"a {type(message).__name__} of {size} bytes for {name} exceeds the "
+                                      f"NATS max_payload of {limit} bytes")
+        return data
+
     def _headers(self, subject: Subject, extra: dict[str, str] | None) -> dict[str, str]:
         headers = {CONTENT_TYPE_HEADER: subject.encoding.value}
         if extra:
@@ -351,7 +370,7 @@ class Bus:
             try:
                 enc = Encoding.from_header(in_headers.get(CONTENT_TYPE_HEADER), subject.encoding)
                 base[CONTENT_TYPE_HEADER] = enc.value
-                message = decode(raw.data, subject.request, enc)
+                message = decode(raw.data, subject.request, enc, raw.subject)
                 args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
                     if wants_ctx else (message,)
                 self._tasks_by_request.setdefault(request_id, set()).add(asyncio.current_task())
@@ -422,8 +441,8 @@ class ReplyStream:
         self._bus._pending[token] = self._queue
         with tracing.client_span(f"{self._subject.template} stream", self._headers,
                                  **{"messaging.destination": self._name}):
-            await self._bus.transport.publish(
-                self._name, encode(self._message, self._subject.encoding), self._headers, reply=inbox)
+            data = self._bus._encode_within_limit(self._message, self._subject, self._name, self._headers)
+            await self._bus.transport.publish(self._name, data, self._headers, reply=inbox)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self

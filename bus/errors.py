@@ -61,6 +61,10 @@ class InvalidArgument(BusError, ValueError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class PayloadTooLarge(InvalidArgument):
+    """A message is larger than the server's max_payload (HTTP 413); refused before it is sent."""
+
+
 class NotFound(BusError):
     code = ErrorCode.NOT_FOUND
 

@@ -50,9 +50,11 @@ class _MemorySubscription(RawSubscription):
 class MemoryNetwork:
     """The shared "server": every MemoryTransport on it sees the others' messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_payload: int | None = None) -> None:
         self.subscriptions: list[_MemorySubscription] = []
         self._rng = random.Random(0)
+        self.max_payload = max_payload
+        """Like nats-server's max_payload (None: no limit); a larger message is refused."""
 
     def discard(self, sub: _MemorySubscription) -> None:
         if sub in self.subscriptions:
@@ -79,6 +81,9 @@ class MemoryTransport(Transport):
         self._own: list[_MemorySubscription] = []
 
     async def publish(self, subject, data, headers=None, reply=None) -> None:
+        limit = self.network.max_payload
+        if limit is not None and len(data) > limit:  # as nats-py's MaxPayloadError
+            raise ValueError(f"message of {len(data)} bytes exceeds max_payload {limit}")
         delivered = self.network.route(RawMsg(subject, bytes(data), headers, reply))
         if delivered == 0 and reply:
             self.network.route(RawMsg(reply, b"", {STATUS_HEADER: NO_RESPONDERS}, None))
@@ -88,6 +93,10 @@ class MemoryTransport(Transport):
         self.network.subscriptions.append(sub)
         self._own.append(sub)
         return sub
+
+    @property
+    def max_payload(self) -> int | None:
+        return self.network.max_payload
 
     def new_inbox(self) -> str:
         return f"_INBOX.mem{next(self._ids)}{uuid.uuid4().hex[:8]}"

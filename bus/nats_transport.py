@@ -31,6 +31,8 @@ class BusConfig:
     """Token auth."""
     nats_creds: str | None = None
     """Path of a NATS .creds file (JWT + nkey)."""
+    nats_nkey_seed: str | None = None
+    """Path of an NKey seed file (nkey auth: the server lists the user's public key)."""
     nats_tls_ca: str | None = None
     """CA bundle to verify the server's TLS certificate; enables TLS."""
     nats_tls_cert: str | None = None
@@ -133,6 +135,8 @@ async def connect(config: BusConfig | None = None, *, name: str = "kvbus") -> Bu
         kwargs["token"] = config.nats_token
     if config.nats_creds:
         kwargs["user_credentials"] = config.nats_creds
+    if config.nats_nkey_seed:
+        kwargs["nkeys_seed"] = config.nats_nkey_seed
     try:
         # NOTE: nats-py retries the first connect forever when reconnects are unbounded;
         # a wrong URL must fail within the connect timeout instead.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class HealthRequest(msgspec.Struct, frozen=True, kw_only=True):
+class HealthRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Ask a service whether it is ready; empty on purpose."""
 
 

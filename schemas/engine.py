@@ -6,6 +6,7 @@ so they are msgspec Structs; the in-process engine uses them directly.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -13,6 +14,12 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort"]
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
+"""top_k travels to the sampler as int32; any k >= the vocabulary size means off anyway."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
 
@@ -20,8 +27,12 @@ class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range (maps to ``invalid_argument``)."""
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-request decoding controls (OpenAI / vLLM meanings)."""
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request decoding controls (OpenAI / vLLM meanings).
+
+    Every bound is checked here, so a request the sampler cannot serve is refused when it is
+    decoded (or built), never in the middle of a batched step (docs/reliability.md, "Bad input").
+    """
 
     max_tokens: int | None = None
     """Most tokens to generate; None: until the context length."""
@@ -47,17 +58,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Leave special tokens out of the returned text."""
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= _INT64_MAX,
+               f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0,
+               f"temperature must be a finite number >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(-1 <= self.top_k <= MAX_TOP_K,
+               f"top_k must be -1, 0 (off) or positive up to {MAX_TOP_K}, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
             self.seed is None or 0 <= self.seed <= _INT64_MAX,
             f"seed must be in [0, 2**63), got {self.seed}",
         )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"stop must hold at most {MAX_STOP_STRINGS} strings, "
+               f"got {len(self.stop)}")
         _check(all(self.stop), "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        _check(all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+               f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
@@ -102,3 +123,5 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    """Set, with finish_reason ``abort``, when the engine failed this request alone (the batch went on)."""

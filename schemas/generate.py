@@ -8,8 +8,11 @@ from schemas.engine import FinishReason, SamplingParams, TokenLogprob, Usage
 from schemas.tokenizer import ChatMessage
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A generation request from any language: exactly one of prompt, messages, prompt_token_ids."""
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A generation request from any language: exactly one of prompt, messages, prompt_token_ids.
+
+    Unknown fields are refused with their name (``max_tokens`` belongs in ``sampling``).
+    """
 
     prompt: str | None = None
     """Plain text prompt (no chat template applied)."""

@@ -5,14 +5,22 @@ from __future__ import annotations
 import msgspec
 
 
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles OpenAI's chat API accepts; anything else is refused."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One OpenAI-style chat message."""
 
     role: str
     content: str
 
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}; got {self.role!r}")
 
-class EncodeRequest(msgspec.Struct, frozen=True, kw_only=True):
+
+class EncodeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     text: str
     add_special_tokens: bool = True
 
@@ -21,7 +29,7 @@ class EncodeReply(msgspec.Struct, frozen=True, kw_only=True):
     ids: list[int]
 
 
-class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
+class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ids: list[int]
     skip_special_tokens: bool = True
 
@@ -30,7 +38,7 @@ class DecodeReply(msgspec.Struct, frozen=True, kw_only=True):
     text: str
 
 
-class ChatTemplateRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ChatTemplateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
 
@@ -40,7 +48,7 @@ class ChatTemplateReply(msgspec.Struct, frozen=True, kw_only=True):
     ids: list[int]
 
 
-class TokenizerInfoRequest(msgspec.Struct, frozen=True, kw_only=True):
+class TokenizerInfoRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Ask for vocabulary facts; empty on purpose."""
 
 

@@ -3,7 +3,8 @@
 A field's help text is the string literal written under it (an attribute
 docstring). Precedence: command-line flag > ``KVBUS_<FIELD>`` environment
 variable > the dataclass default. A bad environment value fails loudly, naming
-the variable.
+the variable. A ``tuple[str, ...]`` field is a repeatable flag (``--api-key A
+--api-key B``) and a comma-separated environment variable.
 """
 
 from __future__ import annotations
@@ -47,8 +48,14 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _is_repeated(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, ...)
+
+
 def _base_type(tp: Any) -> tuple[type, bool]:
     """(scalar type, is_optional) of a field annotation like ``int | None``."""
+    if _is_repeated(tp):
+        return str, False
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -60,7 +67,10 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
-def _parse(value: str, tp: Any, where: str) -> Any:
+def _parse(value: str | list[str], tp: Any, where: str) -> Any:
+    if _is_repeated(tp):  # repeated flag (a list) or a comma-separated environment value
+        items = value if isinstance(value, list) else value.split(",")
+        return tuple(item.strip() for item in items if item.strip())
     base, optional = _base_type(tp)
     if optional and value.strip().lower() in ("", "none", "null"):
         return None
@@ -102,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
+        elif _is_repeated(hints[f.name]):
+            group.add_argument(flag, dest=f.name, action="append", type=str, default=argparse.SUPPRESS,
+                               metavar="STR", help=help_text + " (repeatable)")
         else:
             group.add_argument(flag, dest=f.name, type=str, default=argparse.SUPPRESS,
                                metavar=base.__name__.upper(), choices=choices, help=help_text)
@@ -120,7 +133,7 @@ def build(cls: type[T], args: argparse.Namespace | dict | None = None,
         if f.name in given:
             raw = given[f.name]
             values[f.name] = _parse(raw, hints[f.name], "--" + f.name.replace("_", "-")) \
-                if isinstance(raw, str) else raw
+                if isinstance(raw, str) or (isinstance(raw, list) and _is_repeated(hints[f.name])) else raw
         elif env_name(f.name) in env:
             values[f.name] = _parse(env[env_name(f.name)], hints[f.name], env_name(f.name))
     try:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from bus.nats_transport import BusConfig
+from services import config as cfg
 from services.natsd import free_port, port_is_taken
 
 
@@ -211,6 +212,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                     argv += ["--kv-transfer", args.kv_transfer]
             if role == "gateway":
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
+                if args.api_key_file:  # keys themselves travel in KVBUS_API_KEY (inherited), never in argv
+                    argv += ["--api-key-file", args.api_key_file]
             children.append(Child(wid, argv, cpus if not args.num_threads else None))
     return roles, children
 
@@ -267,7 +270,7 @@ async def up(args: argparse.Namespace) -> int:
                 say(f"{child.name}: cores {','.join(map(str, sorted(child.cpus)))}")
             await supervisor.start(child)
 
-        bus = await connect(BusConfig(nats_url=nats_url))
+        bus = await connect(cfg.build(BusConfig, {"nats_url": nats_url}))  # KVBUS_NATS_* auth/TLS, as the services
         try:
             t0 = time.monotonic()
             waiter = asyncio.create_task(wait_ready(bus, roles, supervisor, args.ready_timeout))
@@ -344,6 +347,8 @@ def up_main(argv: list[str]) -> int:
                         help="more options for every engine worker, e.g. \"--max-running-requests 8 --page-size 32\"")
     parser.add_argument("--http-host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--api-key-file", default=None,
+                        help="file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)")
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--exit-after-ready", action="store_true",
                         help="stop everything once the first request was served (smoke test)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,26 @@ def model_dir() -> Path:
 def anyio_backend():
     """Async tests (``pytest.mark.anyio``) run on asyncio, like the services."""
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _seeded_random(request):
+    """Every test starts from a fixed random state, derived from its id: a draw a test forgot to
+    seed is the same draw on every run, so it cannot flake (and reordering tests changes nothing).
+
+    Tests still seed their own draws explicitly (a torch.Generator, random.Random(n)); this is
+    the backstop for torch's, numpy's and Python's global generators.
+    """
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(seed)
+    import sys
+
+    if "torch" in sys.modules:  # a test that never imports torch does not pay for it
+        sys.modules["torch"].manual_seed(seed)
+    yield

@@ -157,7 +157,10 @@ class AsyncEngineMixin:
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
-                queue.put_nowait(error if error is not None else out)
+                if error is None and out.error is not None:  # this request failed alone
+                    queue.put_nowait(RequestError(out.error))
+                else:
+                    queue.put_nowait(error if error is not None else out)
 
     def fail_all(self) -> list[RequestOutput]:
         """On the engine thread: abort every request after a failed step; their final outputs."""

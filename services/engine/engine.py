@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kernels import gather_pages, scatter_pages
@@ -251,12 +252,19 @@ class LLMEngine(AsyncEngineMixin):
         for seq in batch.seqs[batch.num_decode :]:
             if seq.imported_kv is not None:
                 self._write_imported_pages(seq)
-        sampled_seqs, tokens, logprobs = self.runner.run(batch)
+        sampled_seqs, tokens, logprobs, errors = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.index_computed_pages(seq)
-        for seq, token, lp in zip(sampled_seqs, tokens, logprobs):
-            outputs.append(self._append_token(seq, token, lp))
+        for i, (seq, token, lp) in enumerate(zip(sampled_seqs, tokens, logprobs)):
+            if i in errors:
+                outputs.append(self._fail(seq, errors[i]))
+                continue
+            try:
+                outputs.append(self._append_token(seq, token, lp))
+            except Exception:  # e.g. the detokenizer: this request fails alone, the batch goes on
+                log.exception("request %s failed after its token was sampled", seq.request_id)
+                outputs.append(self._fail(seq, "internal error finishing this request's step"))
         st = self.stats
         st.num_steps += 1
         st.forward_seconds += self.runner.last_forward_seconds
@@ -348,6 +356,11 @@ class LLMEngine(AsyncEngineMixin):
             usage=usage,
             logprobs=lps,
         )
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish one request the engine could not serve (pages freed); its output carries the error."""
+        out = self._finish(seq, "abort", [])
+        return msgspec.structs.replace(out, new_text="", error=f"request {seq.request_id}: {reason}")
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:

@@ -74,13 +74,16 @@ class ModelRunner:
         return ids, pos, meta, rows, sampling_seqs
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
-        """Forward the batch; returns the sequences that sampled, their tokens and logprobs."""
+    def run(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Sequence], list[int | None], list[TokenLogprob | None], dict[int, str]]:
+        """Forward the batch; returns the sequences that sampled, their tokens and logprobs, and
+        the rows the sampler could not serve (token None; reason by row)."""
         ids, pos, meta, rows, sampling_seqs = self.prepare(batch)
         t0 = time.perf_counter()
         logits = self.model.forward(ids, pos, meta, rows)  # [N, V]; N = 0 when only chunks ran
         self.last_forward_seconds = time.perf_counter() - t0
         if not sampling_seqs:
-            return [], [], []
-        tokens, logprobs = sample_tokens(logits, sampling_seqs)
-        return sampling_seqs, tokens, logprobs
+            return [], [], [], {}
+        tokens, logprobs, errors = sample_tokens(logits, sampling_seqs)
+        return sampling_seqs, tokens, logprobs, errors

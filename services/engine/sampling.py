@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels import compute_logprobs, sample
 from schemas.engine import TokenLogprob
 from services.engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
 
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` [N, V] float32, row i for ``seqs[i]``."""
+
+def sample_tokens(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int | None], list[TokenLogprob | None], dict[int, str]]:
+    """One token per row of ``logits`` [N, V] float32, row i for ``seqs[i]``.
+
+    Returns (token ids, logprobs, errors): when the batch cannot be sampled, each row is
+    sampled alone and a row that still fails gets None and its reason in ``errors`` (by row),
+    so one request the sampler cannot serve fails alone and the rest of the batch goes on.
+    """
+    try:
+        ids, lps = _sample_tokens(logits, seqs)
+        return ids, lps, {}
+    except Exception:
+        if len(seqs) == 1:
+            log.exception("sampling failed for request %s", seqs[0].request_id)
+            return [None], [None], {0: "the sampler failed for this request's parameters"}
+    log.warning("sampling a batch of %d failed; sampling its rows one by one", len(seqs), exc_info=True)
+    ids, lps, errors = [], [], {}
+    for i in range(len(seqs)):
+        row_ids, row_lps, row_errors = sample_tokens(logits[i : i + 1], seqs[i : i + 1])
+        ids += row_ids
+        lps += row_lps
+        if row_errors:
+            errors[i] = row_errors[0]
+    return ids, lps, errors
+
+
+def _sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     want_logprobs = [s.params.logprobs for s in seqs]
     if all(s.params.temperature == 0.0 for s in seqs):
         ids = logits.argmax(dim=-1)  # greedy fast path: no parameter tensors
@@ -55,7 +85,8 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return sample(
         logits,
         torch.tensor([p.temperature for p in params], **f32),
-        torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
+        # top_k >= V is off; clamping keeps any bound SamplingParams allows inside int32
+        torch.tensor([min(p.top_k, logits.shape[1]) for p in params], dtype=torch.int32, device=device),
         torch.tensor([p.top_p for p in params], **f32),
         torch.tensor([p.min_p for p in params], **f32),
         torch.tensor([-1 if p.seed is None else p.seed for p in params], **i64),

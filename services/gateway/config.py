@@ -29,6 +29,10 @@ class GatewayConfig:
     """Longest prompt plus output accepted; None: the tokenizer's context length."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest HTTP request body; larger gets HTTP 413."""
+    api_key: tuple[str, ...] = ()
+    """HTTP API keys: /v1/* needs ``Authorization: Bearer KEY`` with one of them (401 otherwise); none: open."""
+    api_key_file: str | None = None
+    """File of HTTP API keys, one per line (blank lines and # comments skipped), added to api_key."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -42,5 +46,7 @@ class GatewayConfig:
             raise ConfigError(f"GatewayConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_request_bytes < 1024:
             raise ConfigError(f"GatewayConfig.max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if any(not k or k != k.strip() for k in self.api_key):
+            raise ConfigError("GatewayConfig.api_key: keys must be non-empty, without surrounding spaces")
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("GatewayConfig.model_name must not be blank")

@@ -27,6 +27,7 @@ from bus.errors import HTTP_STATUS, BusError, Internal
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.engine import Usage
 from services.actor import VERSION
+from services.gateway.auth import install_auth
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_mapping import (
     BodyTooLarge,
@@ -209,6 +210,7 @@ def create_app(actor: GatewayActor) -> FastAPI:
     pipeline: GenerationPipeline = actor.pipeline
     metrics = actor.metrics
     app = FastAPI(title="kvbus gateway", version=VERSION, docs_url=None, redoc_url=None)
+    install_auth(app, actor.config)  # API keys on /v1 when configured (services/gateway/auth.py)
     started = int(time.time())
 
     @app.exception_handler(StarletteHTTPException)
@@ -229,7 +231,7 @@ def create_app(actor: GatewayActor) -> FastAPI:
             openai_req = decode_body(body, kind.request_type)
             gen_req = kind.to_generate(openai_req)
         except BusError as exc:  # refused before the pipeline: counted here
-            metrics.observe_request(kind.endpoint, 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[exc.code],
+            metrics.observe_request(kind.endpoint, error_response(exc)[0],
                                     exc.code.value)
             return _error(exc)
         request_id = kind.id_prefix + uuid.uuid4().hex

@@ -7,10 +7,9 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import HTTP_STATUS, BusError, ErrorCode, InvalidArgument
+from bus.errors import HTTP_STATUS, BusError, ErrorCode, PayloadTooLarge
 from schemas.engine import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams, TokenLogprob, Usage
 from schemas.generate import GenerateRequest
-from schemas.tokenizer import ChatMessage
 from services.gateway.openai_schemas import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -24,20 +23,14 @@ from services.gateway.openai_schemas import (
     UsageInfo,
 )
 from services.gateway.pipeline import PromptTooLong, UnknownModel
+from services.gateway.validation import BadField as BadParam
+from services.gateway.validation import chat_messages, refuse_unsupported_chat_fields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions (chat has none: until the context is full)."""
 
 
-class BadParam(InvalidArgument):
-    """A request field kvbus refuses; ``param`` names it in the OpenAI error body."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-class BodyTooLarge(InvalidArgument):
+class BodyTooLarge(PayloadTooLarge):
     """The HTTP body is larger than max_request_bytes (HTTP 413)."""
 
 
@@ -53,6 +46,10 @@ def decode_body(body: bytes, type_: type) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         path = re.search(r"at `\$\.([A-Za-z_]+)", str(exc))
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", str(exc))
+        if unknown:  # OpenAI's wording for a field it does not know
+            param = f"{path.group(1)}.{unknown.group(1)}" if path else unknown.group(1)
+            raise BadParam(param, f"Unrecognized request argument supplied: {param}") from None
         raise BadParam(path.group(1) if path else None, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadParam(None, f"malformed JSON body: {exc}") from None
@@ -78,20 +75,19 @@ def completion_to_generate(req: CompletionRequest) -> GenerateRequest:
 
 def chat_to_generate(req: ChatCompletionRequest) -> GenerateRequest:
     _refuse_unsupported(req)
+    refuse_unsupported_chat_fields(req)
     if req.tools:
         raise BadParam("tools", "tools are not supported")
     if req.response_format is not None and req.response_format.type != "text":
         raise BadParam("response_format", f"response_format {req.response_format.type!r} is not supported; "
                                           "only 'text'")
-    if not req.messages:
-        raise BadParam("messages", "messages must be a non-empty list")
+    messages = chat_messages(req.messages or [])
     if req.top_logprobs is not None and not req.logprobs:
         raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise BadParam("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    messages = [ChatMessage(role=m.role, content=_message_text(m.content, i)) for i, m in enumerate(req.messages)]
     return GenerateRequest(messages=messages, model=req.model, sampling=_sampling(req, max_tokens, logprobs),
                            session_id=req.session_id, stream_interval=req.stream_interval)
 
@@ -154,20 +150,6 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def _message_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise BadParam(f"messages[{index}].content",
-                           f"content part of type {part.type!r} is not supported; only text parts")
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
 # --- responses --------------------------------------------------------------------------------
 
 
@@ -225,13 +207,13 @@ def error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
     if not isinstance(exc, BusError):
         return 500, ErrorResponse(error=ErrorDetail(message="internal server error", type="server_error",
                                                     code=ErrorCode.INTERNAL.value))
-    status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[exc.code]
+    status = 413 if isinstance(exc, PayloadTooLarge) else HTTP_STATUS[exc.code]
     code, param = exc.code.value, getattr(exc, "param", None)
     if isinstance(exc, PromptTooLong):
         code = "context_length_exceeded"
     elif isinstance(exc, UnknownModel):
         code, param = "model_not_found", "model"
-    elif isinstance(exc, BodyTooLarge):
+    elif isinstance(exc, PayloadTooLarge):
         code = "request_too_large"
     return status, ErrorResponse(error=ErrorDetail(message=exc.message, type=_ERROR_TYPES.get(status, "server_error"),
                                                    param=param, code=code))

@@ -1,8 +1,10 @@
 """OpenAI request and response bodies as msgspec Structs (the project's one schema library).
 
-Requests ignore fields they do not know (clients send many); fields the API
-defines but kvbus cannot honour are kept so the mapping can refuse them with a
-400 instead of silently ignoring them. Union types that msgspec cannot express
+Requests refuse fields they do not know with a 400 that names the field, as
+OpenAI does ("Unrecognized request argument"); every field OpenAI's API (and
+so the openai python client) may send is declared, and fields the API defines
+but kvbus cannot honour are refused by the mapping with a 400 instead of being
+silently ignored (:mod:`services.gateway.validation`). Union types that msgspec cannot express
 (``prompt``: str | list[str] | list[int] | list[list[int]]) are loosened here
 and checked in :mod:`services.gateway.openai_mapping`.
 """
@@ -16,11 +18,13 @@ import msgspec
 # --- requests -----------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Accepted and ignored: kvbus adds no obfuscation padding to stream events."""
 
 
-class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by /v1/completions and /v1/chat/completions (with vLLM's extensions)."""
 
     model: str | None = None
@@ -36,6 +40,12 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI fields with no effect on a single self-hosted model: accepted, ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM / SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -57,18 +67,30 @@ class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+    """A part of a message's content; only ``text`` parts are served (others get a 400 that says so)."""
+
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
 
 
-class ChatMessageIn(msgspec.Struct, frozen=True, kw_only=True):
+class ChatMessageIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     type: str = "text"
+    json_schema: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
@@ -79,6 +101,16 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields kvbus cannot honour: refused with a 400 when given (not null)
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from schemas.tokenizer import ChatTemplateRequest, DecodeRequest, EncodeRequest,
 from schemas.worker import RouteRequest, TokenChunk, WorkerGenerateRequest
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.validation import check_before_work
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,7 @@ class GenerationPipeline:
     # --- validation and tokenization -------------------------------------------------------
     async def prompt_token_ids(self, req: GenerateRequest) -> list[int]:
         """Check the request and return the prompt as token ids; raises InvalidArgument."""
-        given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(req, name) is not None]
-        if len(given) != 1:
-            raise InvalidArgument("exactly one of prompt, messages and prompt_token_ids must be given, "
-                                  f"got {', '.join(given) if given else 'none'}")
-        if req.stream_interval < 1:
-            raise InvalidArgument(f"stream_interval must be >= 1, got {req.stream_interval}")
+        check_before_work(req, await self.context_length())  # limits before any tokenizer work
         served = await self.model_name()
         if req.model is not None and req.model != served:
             raise UnknownModel(f"model {req.model!r} is not served here; this gateway serves {served!r}")

@@ -1,8 +1,10 @@
 """The ``shm`` backend: one POSIX shared-memory segment per transfer, on one host.
 
-The sender creates ``kvbus-<sender id>-<instance>-<transfer id>`` (``instance``:
-random per :class:`ShmSender`, so two processes with one worker id never
-collide), copies the payload in, unmaps it and names it in the descriptor. The
+The sender creates ``kvbus-<sender id>-<instance>-<nonce>-<transfer id>``
+(``instance``: random per :class:`ShmSender`, so two processes with one worker
+id never collide; ``nonce``: 128 random bits per segment, so no name can be
+guessed from another one), owner-only (mode 0600, whatever the umask), copies
+the payload in, unmaps it and names it in the descriptor. The
 receiver maps it and unlinks it at once (unlinking is the claim); the tensor it
 hands over is a view of that mapping, so receiving copies nothing, and the
 memory goes back to the system when the tensor is freed. The sender polls its
@@ -51,8 +53,13 @@ def is_available() -> bool:
     return _posixshmem is not None
 
 
+SEGMENT_MODE = 0o600
+"""Owner-only: another user on the host can neither read nor write a request's pages."""
+
+
 def segment_name(sender_id: str, instance: str, transfer_id: str) -> str:
-    return f"{SEGMENT_PREFIX}{sender_id}-{instance}-{transfer_id}"
+    """A fresh, unguessable name: knowing one segment's name tells nothing about the next one's."""
+    return f"{SEGMENT_PREFIX}{sender_id}-{instance}-{secrets.token_hex(16)}-{transfer_id}"
 
 
 def segment_exists(name: str) -> bool:
@@ -130,6 +137,7 @@ class ShmSender(SenderBackend):
             raise InvalidArgument(f"transfer {target.transfer_id} was already sent") from None
         except OSError as exc:  # /dev/shm full or too small
             raise Unavailable(f"cannot create a {num_bytes} B shared-memory segment: {exc}") from None
+        os.fchmod(shm._fd, SEGMENT_MODE)  # NOTE: already 0600 on CPython; stated here, not assumed
         self._deadlines[name] = time.monotonic() + self.options.reap_after
         try:
             crc = await run_blocking(num_bytes, _fill, shm, payload)

@@ -119,10 +119,15 @@ async def coalesce(first: RequestOutput, rest: AsyncIterator[RequestOutput], int
     timings = first_timings
 
     async def outputs():
+        from services.engine.outputs import RequestError
+
         async with contextlib.aclosing(rest):  # leaving early aborts the engine request now, not at GC
             yield first
-            async for out in rest:
-                yield out
+            try:
+                async for out in rest:
+                    yield out
+            except RequestError as exc:  # the engine failed this request alone
+                raise InvalidArgument(str(exc)) from None
 
     async with contextlib.aclosing(outputs()) as stream:
         async for out in stream:

@@ -100,6 +100,6 @@ async def test_silent_worker_disappears_after_ttl_and_draining_at_once(system):
     finally:
         stop.set()
         await beater
-    await asyncio.sleep(0.45)
+    await eventually(lambda: actor.router.workers.known_ids() == [], timeout=5.0)
     with pytest.raises(errors.Unavailable, match="none has sent a heartbeat"):
         await client.request(ROUTE, request())

@@ -98,7 +98,11 @@ async def test_full_worker_answers_overloaded(system):
     prefill, decode, client = system
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     tasks = [asyncio.create_task(generate(client, "prefill-0", long)) for _ in range(3)]  # 2 running + 1 queued
-    await asyncio.sleep(0.5)
+    engine = prefill.engine
+    for _ in range(600):  # wait for the condition (all three admitted), not for a fixed time
+        if engine.num_running + engine.num_waiting + prefill.num_admitting == 3:
+            break
+        await asyncio.sleep(0.05)
     with pytest.raises(errors.Overloaded, match="full"):
         await generate(client, "prefill-0", long)
     for t in tasks:

@@ -91,7 +91,12 @@ def test_rope_cache_llama3_matches_transformers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_rotary_reference_matches_rotate_half(dtype):
     d, num_q, num_kv, t = 64, 9, 3, 11
-    qkv = torch.randn(t, (num_q + 2 * num_kv) * d).to(dtype)  # q, k are strided views, as in the engine
+    # NOTE: the float32 cos/sin table is off by up to ~3.7e-6 at position 199 (the float32 angle's
+    # rounding, as in transformers), and the output error is |x| times that. Unbounded randn inputs
+    # (|x| up to ~4.5) pushed it past atol=1e-5 for some draws (about 1.5% of seeds); inputs in
+    # [-1, 1] bound it by ~5.3e-6 whatever the draw, and the draw is seeded as well.
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.rand(t, (num_q + 2 * num_kv) * d, generator=g) * 2 - 1).to(dtype)  # q, k: strided views
     q = qkv[:, : num_q * d].view(t, num_q, d)
     k = qkv[:, num_q * d : (num_q + num_kv) * d].view(t, num_kv, d)
     positions = torch.tensor([0, 1, 2, 50, 51, 7, 8, 9, 10, 199, 3])

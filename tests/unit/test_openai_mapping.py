@@ -45,7 +45,7 @@ def chat(**body) -> ChatCompletionRequest:
 def test_completion_maps_sampling_fields():
     req = completion(model="m", prompt="Hello", max_tokens=7, temperature=0, top_p=0.9, top_k=40, min_p=0.05,
                      seed=3, stop="\n", ignore_eos=True, logprobs=2, stop_token_ids=[5], session_id="s1",
-                     user="ignored", unknown_field={"clients": "send these"})
+                     user="ignored", metadata={"team": "a"}, store=False)
     gen = completion_to_generate(req)
     assert gen.prompt == "Hello" and gen.messages is None and gen.prompt_token_ids is None
     assert gen.model == "m" and gen.session_id == "s1"
@@ -130,6 +130,56 @@ def test_chat_refusals(body, param, match):
     with pytest.raises(BadParam, match=match) as info:
         chat_to_generate(chat(**body))
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("type_,body,param", [
+    (CompletionRequest, b'{"prompt": "x", "unknown_field": 1}', "unknown_field"),
+    (ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "max_token": 5}', "max_token"),
+    (ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x", "mood": "sad"}]}', "messages.mood"),
+    (ChatCompletionRequest, b'{"messages": [], "stream": true, "stream_options": {"usage": true}}',
+     "stream_options.usage"),
+])
+def test_unknown_fields_are_refused_by_name_as_openai_does(type_, body, param):
+    with pytest.raises(BadParam, match="Unrecognized request argument supplied") as info:
+        decode_body(body, type_)
+    assert info.value.param == param and param in info.value.message
+    assert error_response(info.value)[0] == 400
+
+
+def test_fields_the_openai_client_may_send_are_accepted():
+    """Every chat/completions argument of OpenAI's API decodes (refusals, if any, name the field)."""
+    chat(messages=[{"role": "developer", "content": "x"}, {"role": "user", "content": "y", "name": "bob"},
+                   {"role": "assistant", "content": "z", "refusal": None},
+                   {"role": "tool", "content": "42", "tool_call_id": "call_1"}],
+         max_completion_tokens=3, metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=True,
+         prompt_cache_key="p", safety_identifier="s", user="u", stream=True,
+         stream_options={"include_usage": True, "include_obfuscation": False}, logit_bias=None, tool_choice="none",
+         response_format={"type": "text"}, top_logprobs=None, logprobs=False)
+    completion(prompt="x", best_of=1, echo=False, suffix=None, logit_bias=None, user="u", n=1)
+    for name, value in [("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]), ("audio", {}),
+                        ("reasoning_effort", "low"), ("prediction", {"type": "content"}),
+                        ("web_search_options", {}), ("verbosity", "low"), ("function_call", "auto")]:
+        with pytest.raises(BadParam, match="not supported") as info:
+            chat_to_generate(chat(messages=[{"role": "user", "content": "x"}], **{name: value}))
+        assert info.value.param == name
+
+
+@pytest.mark.parametrize("message,param,match", [
+    ({"role": "wizard", "content": "x"}, "messages[0].role", "must be one of"),
+    ({"role": "user", "content": None}, "messages[0].content", "got null"),
+    ({"role": "user"}, "messages[0].content", "got null"),
+    ({"role": "system", "content": None}, "messages[0].content", "got null"),
+    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id", "tool_call_id"),
+    ({"role": "function", "content": "x", "name": "f"}, "messages[0].role", "must be one of"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, "messages[0].tool_calls",
+     "not supported"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content", "only text"),
+])
+def test_chat_roles_and_content_are_checked_as_openai_does(message, param, match):
+    with pytest.raises(BadParam, match=match) as info:
+        chat_to_generate(chat(messages=[message]))
+    assert info.value.param == param
+    assert error_response(info.value)[0] == 400
 
 
 @pytest.mark.parametrize("body,param,match", [

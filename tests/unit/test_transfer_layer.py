@@ -157,7 +157,10 @@ async def test_missing_chunk_times_out_and_cleans_up(pair):
                                        msgspec.msgpack.encode(KVChunkEvent(
                                            transfer_id="t", index=2, num_chunks=4, data=b"x",
                                            checksum=zlib.crc32(b"x"))))
-    await asyncio.sleep(0.05)
+    for _ in range(200):
+        if receiver._receivers["nats"].num_dropped_chunks:
+            break
+        await asyncio.sleep(0.01)
     assert receiver._receivers["nats"].num_dropped_chunks == 1
     assert receiver._receivers["nats"].num_pending == 0
 
@@ -328,3 +331,35 @@ def test_assembly_rejects_uneven_duplicate_or_foreign_chunks():
             asm.add(bad, max_chunk_bytes=1024)
     with pytest.raises(TransferCorrupted):  # bigger than the receiver asked for
         _Assembly().add(good[0], max_chunk_bytes=512)
+
+
+async def test_shm_segments_are_owner_only_and_not_guessable(pair):
+    """Another user cannot open a segment; a name tells nothing about another transfer's segment; a
+    receiver never maps a segment that is not its own transfer's, and a claimed one cannot be read again."""
+    import os
+    import stat
+
+    sender, receiver, _ = pair
+    old_umask = os.umask(0)  # the widest umask: the mode must not come from it
+    try:
+        d1 = await sender.send(receiver.expect("t1", sender_host_id=HOST), kv((2, 1, 2, 4, 1, 8), torch.float32))
+        d2 = await sender.send(receiver.expect("t2", sender_host_id=HOST), kv((2, 1, 2, 4, 1, 8), torch.float32, 1))
+    finally:
+        os.umask(old_umask)
+    for d in (d1, d2):
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{d.shm_name}").st_mode) == 0o600
+    # Same sender, consecutive transfers: the names share only prefix, sender, instance and transfer id.
+    prefix = f"{shm_backend.SEGMENT_PREFIX}prefill-0-{sender.backend('shm').instance}-"
+    nonce1, nonce2 = (d.shm_name[len(prefix):].rsplit("-", 1)[0] for d in (d1, d2))
+    assert len(nonce1) == len(nonce2) == 32 and nonce1 != nonce2
+    # A descriptor for t2 that names t1's segment is refused without touching it.
+    forged = msgspec.structs.replace(d2, shm_name=d1.shm_name)
+    with pytest.raises(errors.InvalidArgument, match="bad segment name"):
+        await receiver.receive(forged, timeout=5)
+    assert shm_backend.segment_exists(d1.shm_name)
+    assert torch.equal(await receiver.receive(d1, timeout=5), kv((2, 1, 2, 4, 1, 8), torch.float32))
+    assert not shm_backend.segment_exists(d1.shm_name)  # claimed: the name opens nothing any more
+    with pytest.raises(FileNotFoundError):
+        shm_backend._attach(d1.shm_name)
+    with pytest.raises(errors.InvalidArgument, match="not expected"):  # the forged descriptor ended t2
+        await receiver.receive(d2, timeout=5)

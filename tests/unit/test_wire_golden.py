@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from bus.codec import Encoding, decode, encode
 from bus.errors import InvalidArgument
 from schemas.common import CancelEvent, EchoChunk, HealthReply
+from schemas.generate import GenerateRequest
 from schemas.tokenizer import ChatMessage, ChatTemplateRequest, EncodeReply, EncodeRequest
+from schemas.worker import RouteRequest
 
 GOLDEN = [
     (EncodeRequest(text="hi"), b'{"text":"hi","add_special_tokens":true}',
@@ -41,7 +44,21 @@ def test_old_peer_without_new_fields_still_decodes():
 
 
 def test_unknown_fields_from_newer_peers_are_ignored():
-    assert decode(b'{"text":"a","future_field":1}', EncodeRequest, Encoding.JSON) == EncodeRequest(text="a")
+    """Between services (replies, internal requests) a newer peer's extra field is ignored: rolling upgrades."""
+    old = b'{"role":"t","worker_id":"w","ready":true,"version":"0.1.0","uptime_s":1.5,"future_field":1}'
+    assert decode(old, HealthReply, Encoding.JSON).worker_id == "w"
+    route = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1], "future_field": 1})
+    assert decode(route, RouteRequest, Encoding.MSGPACK) == RouteRequest(request_id="r", prompt_token_ids=[1])
+
+
+def test_unknown_fields_in_public_requests_are_refused_by_name():
+    """A client's misplaced field (``max_tokens`` outside ``sampling``) must not be silently dropped."""
+    with pytest.raises(InvalidArgument, match="unknown field `future_field`"):
+        decode(b'{"text":"a","future_field":1}', EncodeRequest, Encoding.JSON)
+    with pytest.raises(InvalidArgument, match=r"GenerateRequest .*on kvbus.v1.generate: .*unknown field `max_tokens`"):
+        decode(b'{"prompt":"a","max_tokens":5}', GenerateRequest, Encoding.JSON, "kvbus.v1.generate")
+    with pytest.raises(InvalidArgument, match=r"unknown field `max_token`.*\$\.sampling"):
+        decode(b'{"prompt":"a","sampling":{"max_token":5}}', GenerateRequest, Encoding.JSON)
 
 
 @pytest.mark.parametrize("data", [b"", b"[", b'{"text": 3}', b'{"add_special_tokens": true}', b"null"])
