@@ -13,6 +13,11 @@ Wire protocol, in headers:
 - Errors: empty body plus ``Kvbus-Error-Code`` / ``Kvbus-Error-Message``.
 - A caller that abandons a stream publishes a ``CancelEvent`` on
   ``kvbus.v1.cancel``; the server cancels the handler task for that request id.
+- ``Kvbus-Timeout``: seconds the caller will wait, counted from when it sent
+  the request (relative, so clocks need not agree). ``Bus.request`` always
+  sends it; the server cancels the handler when it passes (and answers
+  ``timeout``), so work nobody waits for stops even when no CancelEvent comes
+  (a caller that died, a plain NATS client that gave up).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "Kvbus-Request-Id"
 STREAM_HEADER = "Kvbus-Stream"
 SEQ_HEADER = "Kvbus-Seq"
+TIMEOUT_HEADER = "Kvbus-Timeout"
 STATUS_HEADER = "Status"  # set by nats-server on "no responders"
 NO_RESPONDERS = "503"
 
@@ -98,6 +104,12 @@ class RequestContext:
     subject: str
     headers: dict[str, str]
     received_at: float
+    deadline: float | None = None
+    """time.monotonic() past which the caller no longer waits (from ``Kvbus-Timeout``); None: unbounded."""
+
+    @property
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 class Subscription:
@@ -143,6 +155,8 @@ class Bus:
         self._tasks_by_request: dict[str, set[asyncio.Task]] = {}
         self._cancelled: set[asyncio.Task] = set()
         """Handler tasks cancelled by their caller (a CancelEvent), not by a shutdown."""
+        self._expired: set[asyncio.Task] = set()
+        """Handler tasks cancelled because their caller's deadline (``Kvbus-Timeout``) passed."""
         self._cancel_sub: Subscription | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -156,6 +170,7 @@ class Bus:
         name = subject.format(**params)
         timeout = self.default_timeout if timeout is None else timeout
         out_headers = self._headers(subject, headers)
+        out_headers.setdefault(TIMEOUT_HEADER, f"{timeout:.3f}")
         token, inbox = await self._open_reply()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[token] = future
@@ -177,17 +192,22 @@ class Bus:
         return decode(raw.data, subject.reply, Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding))
 
     def stream(self, subject: Subject, message: Any, *, timeout: float | None = None,
-               headers: dict[str, str] | None = None, **params: str) -> "ReplyStream":
+               headers: dict[str, str] | None = None, deadline: float | None = None,
+               **params: str) -> "ReplyStream":
         """Send ``message`` and iterate over the streamed chunks.
 
         ``timeout`` bounds the wait for each next message (a stalled stream
-        raises Timeout). Use ``async with`` (or ``aclose()``) so that leaving
+        raises Timeout); ``deadline`` (seconds) bounds the whole stream on the
+        server's side. Use ``async with`` (or ``aclose()``) so that leaving
         early cancels the work on the server.
         """
         if not subject.streamed:
             raise TypeError(f"{subject.template} is not streamed: use Bus.request()")
+        out_headers = self._headers(subject, headers)
+        if deadline is not None:
+            out_headers[TIMEOUT_HEADER] = f"{max(deadline, 0.0):.3f}"
         return ReplyStream(self, subject, message, self.default_timeout if timeout is None else timeout,
-                           self._headers(subject, headers), subject.format(**params))
+                           out_headers, subject.format(**params))
 
     async def publish(self, subject: Subject, message: Any, *, headers: dict[str, str] | None = None,
                       **params: str) -> None:
@@ -347,12 +367,17 @@ class Bus:
         in_headers = raw.headers or {}
         request_id = in_headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         base = {REQUEST_ID_HEADER: request_id}
+        expiry: asyncio.TimerHandle | None = None
         with tracing.server_span(subject.template, in_headers, **{"kvbus.request_id": request_id}) as span:
             try:
                 enc = Encoding.from_header(in_headers.get(CONTENT_TYPE_HEADER), subject.encoding)
                 base[CONTENT_TYPE_HEADER] = enc.value
                 message = decode(raw.data, subject.request, enc)
-                args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
+                received_at = time.monotonic()
+                deadline = _deadline(in_headers, received_at)
+                if deadline is not None:
+                    expiry = self._expire_at(deadline, asyncio.current_task())
+                args = (message, RequestContext(request_id, raw.subject, in_headers, received_at, deadline)) \
                     if wants_ctx else (message,)
                 self._tasks_by_request.setdefault(request_id, set()).add(asyncio.current_task())
                 if subject.streamed:
@@ -364,7 +389,13 @@ class Bus:
                 # The caller gave up (CancelEvent): nobody is listening. Otherwise the service is
                 # shutting down: say so, so the caller retries elsewhere instead of timing out.
                 span.set_attribute("kvbus.cancelled", True)
-                if asyncio.current_task() not in self._cancelled:
+                task = asyncio.current_task()
+                if task in self._expired:  # our own deadline timer: answer, and end normally
+                    task.uncancel()
+                    error = Timeout(f"{subject.template}: the caller's deadline passed (request id {request_id})")
+                    tracing.mark_error(span, error.code.value, error.message)
+                    await self._reply(raw, b"", {**base, **error.to_headers()})
+                elif task not in self._cancelled:
                     if not self._closed:
                         error = Unavailable(f"{subject.template} is shutting down (request id {request_id})")
                         await asyncio.shield(self._reply(raw, b"", {**base, **error.to_headers()}))
@@ -378,6 +409,8 @@ class Bus:
                 tracing.mark_error(span, error.code.value, error.message)
                 await self._reply(raw, b"", {**base, **error.to_headers()})
             finally:
+                if expiry is not None:
+                    expiry.cancel()
                 task = asyncio.current_task()
                 tasks = self._tasks_by_request.get(request_id)
                 if tasks is not None:
@@ -385,6 +418,16 @@ class Bus:
                     if not tasks:
                         del self._tasks_by_request[request_id]
                 self._cancelled.discard(task)
+                self._expired.discard(task)
+
+    def _expire_at(self, deadline: float, task: asyncio.Task) -> asyncio.TimerHandle:
+        """Cancel ``task`` at ``deadline`` (time.monotonic(), which is the event loop's clock too)."""
+        def expire() -> None:
+            if not task.done():
+                self._expired.add(task)
+                task.cancel()
+
+        return asyncio.get_running_loop().call_at(deadline, expire)
 
     async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
                              base: dict[str, str]) -> None:
@@ -439,6 +482,9 @@ class ReplyStream:
             await self.aclose()
             raise Timeout(f"stream on {self._name} stalled: nothing for {self._timeout:g}s",
                           request_id=self.request_id) from None
+        if isinstance(raw, BusError):  # abort(): the caller learnt the stream cannot go on
+            await self.aclose()
+            raise raw
         try:
             Bus._raise_for_reply(raw, self._name)
         except BusError:
@@ -462,6 +508,11 @@ class ReplyStream:
         if self._token is not None:
             self._bus._pending.pop(self._token, None)
 
+    def abort(self, error: BusError) -> None:
+        """Make the pending (or next) ``__anext__`` raise ``error``, e.g. when the server is known dead."""
+        if not self._is_done:
+            self._queue.put_nowait(error)
+
     async def aclose(self) -> None:
         """Stop listening; if the stream had not ended, ask the server to cancel it."""
         was_open = not self._is_done and self._token is not None
@@ -474,6 +525,20 @@ class ReplyStream:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+def _deadline(headers: dict[str, str], received_at: float) -> float | None:
+    """The caller's deadline on our clock, from ``Kvbus-Timeout`` (ignored when malformed)."""
+    value = headers.get(TIMEOUT_HEADER)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    if seconds != seconds or seconds < 0 or seconds == float("inf"):
+        return None
+    return received_at + seconds
 
 
 def _h(raw: RawMsg, name: str) -> str | None:
