@@ -442,6 +442,10 @@ class Bus:
         await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
 
 
+class StreamBroken(Unavailable):
+    """A stream lost messages (e.g. across a NATS reconnect): the server may be fine, the stream is not."""
+
+
 class ReplyStream:
     """Async iterator over one streamed reply; also an async context manager."""
 
@@ -494,8 +498,8 @@ class ReplyStream:
         seq = int(_h(raw, SEQ_HEADER) or -1)
         if seq != self._next_seq:
             await self.aclose()
-            raise Internal(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
-                           request_id=self.request_id)
+            raise StreamBroken(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
+                               request_id=self.request_id)
         if kind == "end":
             self._finish()
             raise StopAsyncIteration

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from bus import Bus, BusError, Cancelled, Internal, InvalidArgument, Overloaded, Timeout, Unavailable
-from bus.core import REQUEST_ID_HEADER
+from bus.core import REQUEST_ID_HEADER, StreamBroken
 from bus.errors import HTTP_STATUS, ErrorCode
 from bus.subjects import HEALTH, ROUTE, TOKENIZER_CHAT, TOKENIZER_DECODE, TOKENIZER_ENCODE, TOKENIZER_INFO, \
     WORKER_GENERATE
@@ -258,13 +258,15 @@ class GenerationPipeline:
                 return
             except Unavailable as exc:
                 died = isinstance(exc, WorkerDied)
-                excluded.append(worker_id)
+                broken = isinstance(exc, StreamBroken)  # the connection lost chunks; the worker may be fine
+                if not broken:
+                    excluded.append(worker_id)
                 if not generated and not died and num_retries < MAX_RETRIES:
                     num_retries += 1
                     log.warning("worker %s unavailable for %s (%s); retrying on another worker",
                                 worker_id, request_id, exc.message)
                     continue
-                if not generated and not died:
+                if not generated and not died and not broken:
                     raise
                 if num_migrations >= self.config.max_migrations:
                     self.num_migrations_failed += 1

@@ -101,13 +101,13 @@ class EngineWorker(Actor):
         except Exception as exc:
             log.warning("draining heartbeat not sent: %s", exc or type(exc).__name__)
 
-    def admit(self, deadline_s: float | None = None) -> None:
+    def admit(self, deadline_s: float | None = None, max_tokens: int | None = None) -> None:
         """Refuse work past max_running_requests plus the bounded queue, or that would wait too long."""
         if self.is_draining:  # before the capacity check: unavailable sends the caller elsewhere
             raise Unavailable(f"worker {self.worker_id} is draining")
         engine = self.engine
         in_system = engine.num_running + engine.num_waiting + self.num_admitting
-        self.admission.check(in_system, deadline_s, f"worker {self.worker_id}")
+        self.admission.check(in_system, deadline_s, f"worker {self.worker_id}", max_tokens)
 
     def health_detail(self) -> dict[str, str]:
         if self.engine is None:
@@ -157,7 +157,7 @@ class WorkerActor(EngineWorker):
     async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
         from services.engine import RequestError
 
-        self.admit(req.deadline_s)
+        self.admit(req.deadline_s, req.sampling.max_tokens)
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         self.num_admitting += 1
@@ -175,8 +175,8 @@ class WorkerActor(EngineWorker):
         async with contextlib.aclosing(coalesce(first, outputs, interval, timings)) as chunks:
             async for chunk in chunks:
                 yield chunk
-                if chunk.finish_reason is not None:
-                    self.admission.observe_finished(time.monotonic() - t0)
+                if chunk.finish_reason is not None and chunk.usage is not None:
+                    self.admission.observe_finished(time.monotonic() - t0, chunk.usage.completion_tokens)
 
     async def start_outputs(self, req: WorkerGenerateRequest,
                             timings: dict[str, float]) -> AsyncIterator[RequestOutput]:

@@ -11,7 +11,10 @@ Expected wait: with ``R`` slots, ``n`` requests in the system and a mean
 service time ``S``, the new request starts when ``n - R + 1`` of them have
 finished; slots free at a rate of about ``R / S``, so the wait is about
 ``(n - R + 1) * S / R``. ``S`` is an exponential moving average over finished
-requests; before the first one finishes only the count bound applies.
+requests; before the first one finishes only the count bound applies. The
+request's own service time is estimated from the mean seconds per generated
+token times its ``max_tokens`` (unknown without one: then only its start must
+fit the deadline).
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ class Admission:
         self.max_queue = max_queue
         self.max_queue_wait = max_queue_wait
         self.mean_service_s: float | None = None
+        self.mean_token_s: float | None = None
         self.num_refused = 0
 
-    def observe_finished(self, service_s: float) -> None:
-        """One request finished ``service_s`` seconds after it was admitted."""
-        if self.mean_service_s is None:
-            self.mean_service_s = service_s
-        else:
-            self.mean_service_s += EWMA_WEIGHT * (service_s - self.mean_service_s)
+    def observe_finished(self, service_s: float, num_tokens: int = 0) -> None:
+        """One request finished ``service_s`` seconds after it was admitted, having generated ``num_tokens``."""
+        self.mean_service_s = _ewma(self.mean_service_s, service_s)
+        if num_tokens > 0:
+            self.mean_token_s = _ewma(self.mean_token_s, service_s / num_tokens)
 
     def expected_wait(self, num_in_system: int) -> float:
         """Seconds until a request arriving now gets a batch slot."""
@@ -44,7 +47,7 @@ class Admission:
             return 0.0
         return ahead * self.mean_service_s / self.max_running
 
-    def check(self, num_in_system: int, deadline_s: float | None, who: str) -> None:
+    def check(self, num_in_system: int, deadline_s: float | None, who: str, max_tokens: int | None = None) -> None:
         """Raise Overloaded (with retry_after) when a new request should not be queued."""
         slot_s = (self.mean_service_s or 1.0) / self.max_running
         limit = self.max_running + self.max_queue
@@ -55,10 +58,16 @@ class Admission:
         if wait > self.max_queue_wait:
             self._refuse(f"{who}: expected queue wait {wait:.1f}s exceeds max_queue_wait="
                          f"{self.max_queue_wait:g}s", wait - self.max_queue_wait)
-        if deadline_s is not None and self.mean_service_s is not None and wait + self.mean_service_s > deadline_s:
-            self._refuse(f"{who}: expected wait {wait:.1f}s plus service {self.mean_service_s:.1f}s exceeds the "
-                         f"request's deadline ({deadline_s:.1f}s left)", max(wait, slot_s))
+        if deadline_s is not None:
+            service = self.mean_token_s * max_tokens if max_tokens and self.mean_token_s is not None else 0.0
+            if wait + service > deadline_s:
+                self._refuse(f"{who}: expected wait {wait:.1f}s plus service {service:.1f}s exceeds the "
+                             f"request's deadline ({deadline_s:.1f}s left)", max(wait, slot_s))
 
     def _refuse(self, message: str, retry_after: float) -> None:
         self.num_refused += 1
         raise Overloaded(message + "; retry later", retry_after=round(max(retry_after, 0.5), 3))
+
+
+def _ewma(mean: float | None, value: float) -> float:
+    return value if mean is None else mean + EWMA_WEIGHT * (value - mean)

@@ -31,12 +31,14 @@ def test_expected_wait_from_mean_service_time():
 
 def test_deadline_refuses_what_could_not_finish_in_time():
     a = Admission(max_running=2, max_queue=100, max_queue_wait=100.0)
-    a.observe_finished(4.0)
-    a.check(1, 4.5, "w")  # starts at once, done in ~4 s
+    a.observe_finished(4.0, num_tokens=40)  # 0.1 s per token
+    a.check(1, 4.5, "w", max_tokens=40)  # starts at once, done in ~4 s
+    a.check(1, 3.0, "w", max_tokens=20)  # a short one fits a short deadline
     with pytest.raises(Overloaded, match="deadline"):
-        a.check(1, 3.0, "w")
+        a.check(1, 3.0, "w", max_tokens=40)
     with pytest.raises(Overloaded, match="deadline"):
-        a.check(3, 5.0, "w")  # waits ~4 s, then 4 s of service
+        a.check(3, 5.0, "w", max_tokens=20)  # waits ~4 s, then 2 s of service
+    a.check(3, 5.0, "w")  # no max_tokens: only its start must fit
 
 
 def test_moving_average_follows_recent_service_times():
