@@ -145,6 +145,37 @@ async def test_overload_is_refused_at_once_with_retry_after_and_nothing_leaks(sy
         await bus.close()
 
 
+async def test_sigterm_drains_a_worker_which_hands_its_stream_off_and_exits_0(system):
+    """--drain-timeout 5: a stream longer than that is cut off on the draining worker (unavailable), and the
+    gateway moves it to the other worker with the tokens so far; the drained worker exits 0."""
+    bus = await connect(BusConfig(nats_url=system.nats_url, request_timeout=120))
+    try:
+        await wait_for(lambda: all_ready(bus), 120, "both workers ready")
+        before = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
+        long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+        got: list[int] = []
+        victim_pid = None
+        async with bus.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=long), timeout=120) as chunks:
+            async for chunk in chunks:
+                got += chunk.token_ids
+                usage = chunk.usage or None
+                if victim_pid is None and len(got) >= 4:
+                    states = await engine_states(bus, WORKERS)
+                    [victim] = [wid for wid, d in states.items() if d.get("running") == "1"]
+                    victim_pid = pid_of(system, victim)
+                    os.kill(victim_pid, signal.SIGTERM)
+        assert len(got) == 160 and usage.completion_tokens == 160
+        after = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
+        assert after == before + 1, "the stream was not handed off"
+        await wait_for(lambda: asyncio.sleep(0, f"{victim} (pid {victim_pid}) exited with" in system.log(400)),
+                       60, "the drained worker exited")
+        assert f"{victim} (pid {victim_pid}) exited with code 0;" in system.log(400)
+        await wait_for(lambda: all_ready(bus), 120, "the drained worker restarted")
+        await Snapshot(bus, WORKERS).assert_no_leaks()
+    finally:
+        await bus.close()
+
+
 def test_sigkill_of_kvbus_up_leaves_no_process_behind(system):
     """Last in this module: it kills the system. Children (nats-server too) die with their parent."""
     children = psutil.Process(system.proc.pid).children(recursive=True)
