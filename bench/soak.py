@@ -4,7 +4,7 @@
     python -m bench.soak --requests 50 --concurrency 4 --max-tokens 8   # tiny check, about a minute
 
 The mix (seeded): streamed and whole completions over HTTP, streams the client cancels after a
-few chunks, and long prompts (~1,500 tokens). The RSS of every process `kvbus up` started is
+few chunks, and long prompts (300-400 words). The RSS of every process `kvbus up` started is
 sampled every ``--sample-every`` seconds; the table gives each service's RSS after warm-up
 (the first 10% of requests), at the end, and the growth (flat: under 5%), then throughput per
 tenth of the run (steady: no falling trend) and the outcomes by kind and status. Exits 1 when a
