@@ -1,8 +1,9 @@
 """The Bus: typed request/reply, streamed replies, events, errors and traces.
 
-One implementation over a tiny raw transport (publish, subscribe, inbox), so the
-NATS bus (:mod:`bus.nats_transport`) and the in-memory bus
-(:mod:`bus.memory`) behave the same down to headers and error codes.
+One implementation over a tiny raw transport (:mod:`bus.transport`: publish,
+subscribe, inbox), so the NATS bus (:mod:`bus.nats_transport`) and the
+in-memory bus (:mod:`bus.memory`) behave the same down to headers and error
+codes. The caller's side of a streamed reply is :mod:`bus.stream`.
 
 Wire protocol, in headers:
 - ``Content-Type``: ``application/json`` or ``application/msgpack``.
@@ -22,78 +23,43 @@ Wire protocol, in headers:
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import dataclasses
 import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bus import tracing
 from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
-from bus.errors import (
-    BusError,
-    Internal,
-    Timeout,
-    Unavailable,
-    error_from_headers,
-)
+from bus.errors import BusError, Internal, Timeout, Unavailable
+from bus.stream import ReplyStream, StreamBroken
 from bus.subjects import CANCEL, Subject
+from bus.transport import (
+    NO_RESPONDERS,
+    REQUEST_ID_HEADER,
+    SEQ_HEADER,
+    STATUS_HEADER,
+    STREAM_HEADER,
+    TIMEOUT_HEADER,
+    RawHandler,
+    RawMsg,
+    RawSubscription,
+    Transport,
+    header,
+    raise_for_reply,
+)
 from schemas.common import CancelEvent
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "Kvbus-Request-Id"
-STREAM_HEADER = "Kvbus-Stream"
-SEQ_HEADER = "Kvbus-Seq"
-TIMEOUT_HEADER = "Kvbus-Timeout"
-STATUS_HEADER = "Status"  # set by nats-server on "no responders"
-NO_RESPONDERS = "503"
-
-
-@dataclasses.dataclass(slots=True)
-class RawMsg:
-    subject: str
-    data: bytes
-    headers: dict[str, str] | None
-    reply: str | None
-
-
-RawHandler = Callable[[RawMsg], Awaitable[None]]
-
-
-class RawSubscription(abc.ABC):
-    @abc.abstractmethod
-    async def unsubscribe(self) -> None: ...
-
-
-class Transport(abc.ABC):
-    """The least a message system must offer for :class:`Bus` to run on it."""
-
-    @abc.abstractmethod
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
-                      reply: str | None = None) -> None: ...
-
-    @abc.abstractmethod
-    async def subscribe(self, subject: str, handler: RawHandler, queue: str | None = None) -> RawSubscription:
-        """Deliver each message to ``handler``, one at a time per subscription."""
-
-    @abc.abstractmethod
-    def new_inbox(self) -> str: ...
-
-    async def flush(self) -> None:
-        return None
-
-    @property
-    def max_payload(self) -> int | None:
-        """Largest message body the server accepts (None: no limit)."""
-        return None
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
+__all__ = [  # the transport's and the stream's names stay importable from here
+    "NO_RESPONDERS", "REQUEST_ID_HEADER", "SEQ_HEADER", "STATUS_HEADER", "STREAM_HEADER", "TIMEOUT_HEADER",
+    "Bus", "RawHandler", "RawMsg", "RawSubscription", "ReplyStream", "RequestContext", "StreamBroken",
+    "Subscription", "Transport",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -189,7 +155,7 @@ class Bus:
         finally:
             self._pending.pop(token, None)
         self._raise_for_reply(raw, name)
-        return decode(raw.data, subject.reply, Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding))
+        return decode(raw.data, subject.reply, Encoding.from_header(header(raw, CONTENT_TYPE_HEADER), subject.encoding))
 
     def stream(self, subject: Subject, message: Any, *, timeout: float | None = None,
                headers: dict[str, str] | None = None, deadline: float | None = None,
@@ -253,7 +219,7 @@ class Bus:
 
         async def on_message(raw: RawMsg) -> None:
             try:
-                enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding)
+                enc = Encoding.from_header(header(raw, CONTENT_TYPE_HEADER), subject.encoding)
                 event = decode(raw.data, subject.request, enc)
                 with tracing.server_span(f"{subject.template} event", raw.headers):
                     await handler(event)
@@ -327,13 +293,7 @@ class Bus:
         elif not waiter.done():
             waiter.set_result(raw)
 
-    @staticmethod
-    def _raise_for_reply(raw: RawMsg, name: str) -> None:
-        error = error_from_headers(raw.headers)
-        if error is not None:
-            raise error
-        if _h(raw, STATUS_HEADER) == NO_RESPONDERS:
-            raise Unavailable(f"no service is listening on {name}")
+    _raise_for_reply = staticmethod(raise_for_reply)
 
     async def _listen_for_cancels(self) -> None:
         if self._cancel_sub is None:
@@ -442,95 +402,6 @@ class Bus:
         await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
 
 
-class StreamBroken(Unavailable):
-    """A stream lost messages (e.g. across a NATS reconnect): the server may be fine, the stream is not."""
-
-
-class ReplyStream:
-    """Async iterator over one streamed reply; also an async context manager."""
-
-    def __init__(self, bus: Bus, subject: Subject, message: Any, timeout: float,
-                 headers: dict[str, str], name: str):
-        self._bus = bus
-        self._subject = subject
-        self._message = message
-        self._timeout = timeout
-        self._headers = headers
-        self._name = name
-        self._queue: asyncio.Queue[RawMsg] = asyncio.Queue()
-        self._token: str | None = None
-        self._next_seq = 0
-        self._is_done = False
-        self.request_id = headers[REQUEST_ID_HEADER]
-
-    async def _start(self) -> None:
-        token, inbox = await self._bus._open_reply()
-        self._token = token
-        self._bus._pending[token] = self._queue
-        with tracing.client_span(f"{self._subject.template} stream", self._headers,
-                                 **{"messaging.destination": self._name}):
-            await self._bus.transport.publish(
-                self._name, encode(self._message, self._subject.encoding), self._headers, reply=inbox)
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._is_done:
-            raise StopAsyncIteration
-        if self._token is None:
-            await self._start()
-        try:
-            raw = await asyncio.wait_for(self._queue.get(), self._timeout)
-        except asyncio.TimeoutError:
-            await self.aclose()
-            raise Timeout(f"stream on {self._name} stalled: nothing for {self._timeout:g}s",
-                          request_id=self.request_id) from None
-        if isinstance(raw, BusError):  # abort(): the caller learnt the stream cannot go on
-            await self.aclose()
-            raise raw
-        try:
-            Bus._raise_for_reply(raw, self._name)
-        except BusError:
-            self._finish()
-            raise
-        kind = _h(raw, STREAM_HEADER)
-        seq = int(_h(raw, SEQ_HEADER) or -1)
-        if seq != self._next_seq:
-            await self.aclose()
-            raise StreamBroken(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
-                               request_id=self.request_id)
-        if kind == "end":
-            self._finish()
-            raise StopAsyncIteration
-        self._next_seq += 1
-        enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), self._subject.encoding)
-        return decode(raw.data, self._subject.reply, enc)
-
-    def _finish(self) -> None:
-        self._is_done = True
-        if self._token is not None:
-            self._bus._pending.pop(self._token, None)
-
-    def abort(self, error: BusError) -> None:
-        """Make the pending (or next) ``__anext__`` raise ``error``, e.g. when the server is known dead."""
-        if not self._is_done:
-            self._queue.put_nowait(error)
-
-    async def aclose(self) -> None:
-        """Stop listening; if the stream had not ended, ask the server to cancel it."""
-        was_open = not self._is_done and self._token is not None
-        self._finish()
-        if was_open:
-            self._bus._send_cancel(self.request_id)
-
-    async def __aenter__(self) -> "ReplyStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-
 def _deadline(headers: dict[str, str], received_at: float) -> float | None:
     """The caller's deadline on our clock, from ``Kvbus-Timeout`` (ignored when malformed)."""
     value = headers.get(TIMEOUT_HEADER)
@@ -543,7 +414,3 @@ def _deadline(headers: dict[str, str], received_at: float) -> float | None:
     if seconds != seconds or seconds < 0 or seconds == float("inf"):
         return None
     return received_at + seconds
-
-
-def _h(raw: RawMsg, name: str) -> str | None:
-    return raw.headers.get(name) if raw.headers else None
