@@ -30,7 +30,20 @@ from tests.leaks import Snapshot, engine_states
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 WORKERS = [("worker", "worker-0"), ("worker", "worker-1")]
 PROMPT = "Write a long story about a river that runs through an ancient city:"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+TIE_LOGPROB = 1e-3
+
+
+def assert_same_greedy(want_ids: list[int], want_logprobs, got: list[int]) -> None:
+    """Token-identical, except at a near-tie of the reference: the new worker recomputes the prompt plus
+    the streamed tokens in one prefill, whose fp32 sums round differently from step-by-step decoding."""
+    if got == want_ids:
+        return
+    k = next((k for k, (a, b) in enumerate(zip(want_ids, got)) if a != b), min(len(want_ids), len(got)))
+    assert k < min(len(want_ids), len(got)), f"lengths differ: {len(got)} vs {len(want_ids)}"
+    top = dict(zip(want_logprobs[k].top_token_ids, want_logprobs[k].top_logprobs))
+    assert got[k] in top and abs(top[want_ids[k]] - top[got[k]]) < TIE_LOGPROB, (
+        f"differs at token {k}: {got[k]} instead of {want_ids[k]} (reference top: {top}): a gap or a repeat")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +80,7 @@ async def test_sigkill_of_a_worker_mid_stream_migrates_and_the_worker_is_restart
     try:
         await wait_for(lambda: all_ready(bus), 120, "both workers ready")
         snapshot = Snapshot(bus, WORKERS)
-        want = (await bus.request(GENERATE_ONCE, GenerateRequest(prompt=PROMPT, sampling=GREEDY))).token_ids
+        undisturbed = await bus.request(GENERATE_ONCE, GenerateRequest(prompt=PROMPT, sampling=GREEDY))
         got: list[int] = []
         killed_at = None
         async with bus.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=GREEDY), timeout=120) as chunks:
@@ -79,7 +92,8 @@ async def test_sigkill_of_a_worker_mid_stream_migrates_and_the_worker_is_restart
                     os.kill(pid_of(system, victim), signal.SIGKILL)
                     killed_at = time.monotonic()
         took = time.monotonic() - killed_at
-        assert got == want, "the migrated stream differs from the undisturbed run (gap, repeat or drift)"
+        assert len(got) == 48
+        assert_same_greedy(undisturbed.token_ids, undisturbed.logprobs, got)
         assert took < 30, f"the stream finished {took:.1f}s after the kill: a timeout, not the heartbeat"
         gateway = await bus.request(HEALTH, HealthRequest(), role="gateway")
         assert gateway.detail["migrations"] == "1"
