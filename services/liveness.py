@@ -10,7 +10,9 @@ one sweep) of a worker's last beat.
 A draining worker still beats (with ``is_draining``): it is finishing its work,
 so it counts as alive. A worker never heard of counts as alive for ``ttl``
 seconds after the watch started listening (the caller may have learnt of it
-from the router a moment before we heard its first beat).
+from the router a moment before we heard its first beat). A worker that beats
+slowly (its ``interval_s``) gets at least three intervals, so a configured
+slow heartbeat never reads as a death.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class WorkerLiveness:
         self.clock = clock
         self.sweep_interval = min(0.25, ttl / 4)
         self._last_seen: dict[str, float] = {}
+        self._ttl_of: dict[str, float] = {}
         self._started_at: float | None = None
         self._waiters: dict[str, set[asyncio.Future]] = {}
         self._sub = None
@@ -64,12 +67,13 @@ class WorkerLiveness:
 
     async def observe(self, event: WorkerHeartbeatEvent) -> None:
         self._last_seen[event.worker_id] = self.clock()
+        self._ttl_of[event.worker_id] = max(self.ttl, 3 * event.interval_s)
 
     def is_dead(self, worker_id: str) -> bool:
         seen = self._last_seen.get(worker_id, self._started_at)
         if seen is None:  # not listening yet: we know nothing, so we claim nothing
             return False
-        return self.clock() - seen > self.ttl
+        return self.clock() - seen > self._ttl_of.get(worker_id, self.ttl)
 
     def watch(self, worker_id: str) -> asyncio.Future:
         """A future that resolves when ``worker_id`` is taken for dead; cancel it when done watching."""
@@ -118,6 +122,7 @@ class WorkerLiveness:
         horizon = self.clock() - 10 * self.ttl
         for worker_id in [w for w, seen in self._last_seen.items() if seen < horizon]:
             del self._last_seen[worker_id]
+            self._ttl_of.pop(worker_id, None)
 
     async def _sweep_loop(self) -> None:
         while True:

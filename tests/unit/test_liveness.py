@@ -20,9 +20,9 @@ class Clock:
         return self.now
 
 
-def beat(worker_id: str, draining: bool = False) -> WorkerHeartbeatEvent:
+def beat(worker_id: str, draining: bool = False, interval_s: float = 1.0) -> WorkerHeartbeatEvent:
     return WorkerHeartbeatEvent(worker_id=worker_id, role="decode", host_id="h", load=WorkerLoad(),
-                                is_draining=draining)
+                                is_draining=draining, interval_s=interval_s)
 
 
 async def started(clock: Clock, ttl: float = 3.0) -> WorkerLiveness:
@@ -94,3 +94,13 @@ async def test_guard_returns_the_result_while_alive():
     assert await live.guard(answer(), "p1", "prefill") == 42
     await asyncio.sleep(0)
     assert live.num_watches == 0
+
+
+async def test_a_slow_heartbeat_gets_three_intervals():
+    clock = Clock()
+    live = await started(clock, ttl=3.0)
+    await live.observe(beat("slow", interval_s=5.0))
+    clock.now += 14.0
+    assert not live.is_dead("slow")
+    clock.now += 1.1
+    assert live.is_dead("slow")
