@@ -60,7 +60,7 @@ async def test_unknown_worker_gets_ttl_from_the_start_of_listening():
 async def test_guard_raises_worker_died_and_cancels_the_work():
     clock = Clock()
     live = await started(clock, ttl=1.0)
-    await live.observe(beat("p1"))
+    await live.observe(beat("p1", interval_s=0.2))
     work = asyncio.Event()
     cancelled = []
 
