@@ -1,8 +1,9 @@
 """The Bus: typed request/reply, streamed replies, events, errors and traces.
 
-One implementation over a tiny raw transport (publish, subscribe, inbox), so the
-NATS bus (:mod:`bus.nats_transport`) and the in-memory bus
-(:mod:`bus.memory`) behave the same down to headers and error codes.
+One implementation over a tiny raw transport (:mod:`bus.transport`: publish,
+subscribe, inbox), so the NATS bus (:mod:`bus.nats_transport`) and the
+in-memory bus (:mod:`bus.memory`) behave the same down to headers and error
+codes. The caller's side of a streamed reply is :mod:`bus.stream`.
 
 Wire protocol, in headers:
 - ``Content-Type``: ``application/json`` or ``application/msgpack``.
@@ -13,82 +14,52 @@ Wire protocol, in headers:
 - Errors: empty body plus ``Kvbus-Error-Code`` / ``Kvbus-Error-Message``.
 - A caller that abandons a stream publishes a ``CancelEvent`` on
   ``kvbus.v1.cancel``; the server cancels the handler task for that request id.
+- ``Kvbus-Timeout``: seconds the caller will wait, counted from when it sent
+  the request (relative, so clocks need not agree). ``Bus.request`` always
+  sends it; the server cancels the handler when it passes (and answers
+  ``timeout``), so work nobody waits for stops even when no CancelEvent comes
+  (a caller that died, a plain NATS client that gave up).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import dataclasses
 import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bus import tracing
 from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
-from bus.errors import (
-    BusError,
-    Internal,
-    PayloadTooLarge,
-    Timeout,
-    Unavailable,
-    error_from_headers,
-)
+from bus.errors import BusError, Internal, PayloadTooLarge, Timeout, Unavailable
+from bus.stream import ReplyStream, StreamBroken
 from bus.subjects import CANCEL, Subject
+from bus.transport import (
+    NO_RESPONDERS,
+    REQUEST_ID_HEADER,
+    SEQ_HEADER,
+    STATUS_HEADER,
+    STREAM_HEADER,
+    TIMEOUT_HEADER,
+    RawHandler,
+    RawMsg,
+    RawSubscription,
+    Transport,
+    header,
+    raise_for_reply,
+)
 from schemas.common import CancelEvent
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "Kvbus-Request-Id"
-STREAM_HEADER = "Kvbus-Stream"
-SEQ_HEADER = "Kvbus-Seq"
-STATUS_HEADER = "Status"  # set by nats-server on "no responders"
-NO_RESPONDERS = "503"
-
-
-@dataclasses.dataclass(slots=True)
-class RawMsg:
-    subject: str
-    data: bytes
-    headers: dict[str, str] | None
-    reply: str | None
-
-
-RawHandler = Callable[[RawMsg], Awaitable[None]]
-
-
-class RawSubscription(abc.ABC):
-    @abc.abstractmethod
-    async def unsubscribe(self) -> None: ...
-
-
-class Transport(abc.ABC):
-    """The least a message system must offer for :class:`Bus` to run on it."""
-
-    @abc.abstractmethod
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
-                      reply: str | None = None) -> None: ...
-
-    @abc.abstractmethod
-    async def subscribe(self, subject: str, handler: RawHandler, queue: str | None = None) -> RawSubscription:
-        """Deliver each message to ``handler``, one at a time per subscription."""
-
-    @abc.abstractmethod
-    def new_inbox(self) -> str: ...
-
-    async def flush(self) -> None:
-        return None
-
-    @property
-    def max_payload(self) -> int | None:
-        """Largest message body the server accepts (None: no limit)."""
-        return None
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
+__all__ = [  # the transport's and the stream's names stay importable from here
+    "NO_RESPONDERS", "REQUEST_ID_HEADER", "SEQ_HEADER", "STATUS_HEADER", "STREAM_HEADER", "TIMEOUT_HEADER",
+    "Bus", "RawHandler", "RawMsg", "RawSubscription", "ReplyStream", "RequestContext", "StreamBroken",
+    "Subscription", "Transport",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +70,12 @@ class RequestContext:
     subject: str
     headers: dict[str, str]
     received_at: float
+    deadline: float | None = None
+    """time.monotonic() past which the caller no longer waits (from ``Kvbus-Timeout``); None: unbounded."""
+
+    @property
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 class Subscription:
@@ -144,6 +121,8 @@ class Bus:
         self._tasks_by_request: dict[str, set[asyncio.Task]] = {}
         self._cancelled: set[asyncio.Task] = set()
         """Handler tasks cancelled by their caller (a CancelEvent), not by a shutdown."""
+        self._expired: set[asyncio.Task] = set()
+        """Handler tasks cancelled because their caller's deadline (``Kvbus-Timeout``) passed."""
         self._cancel_sub: Subscription | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -157,6 +136,7 @@ class Bus:
         name = subject.format(**params)
         timeout = self.default_timeout if timeout is None else timeout
         out_headers = self._headers(subject, headers)
+        out_headers.setdefault(TIMEOUT_HEADER, f"{timeout:.3f}")
         token, inbox = await self._open_reply()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[token] = future
@@ -176,20 +156,25 @@ class Bus:
         finally:
             self._pending.pop(token, None)
         self._raise_for_reply(raw, name)
-        return decode(raw.data, subject.reply, Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding))
+        return decode(raw.data, subject.reply, Encoding.from_header(header(raw, CONTENT_TYPE_HEADER), subject.encoding))
 
     def stream(self, subject: Subject, message: Any, *, timeout: float | None = None,
-               headers: dict[str, str] | None = None, **params: str) -> "ReplyStream":
+               headers: dict[str, str] | None = None, deadline: float | None = None,
+               **params: str) -> "ReplyStream":
         """Send ``message`` and iterate over the streamed chunks.
 
         ``timeout`` bounds the wait for each next message (a stalled stream
-        raises Timeout). Use ``async with`` (or ``aclose()``) so that leaving
+        raises Timeout); ``deadline`` (seconds) bounds the whole stream on the
+        server's side. Use ``async with`` (or ``aclose()``) so that leaving
         early cancels the work on the server.
         """
         if not subject.streamed:
             raise TypeError(f"{subject.template} is not streamed: use Bus.request()")
+        out_headers = self._headers(subject, headers)
+        if deadline is not None:
+            out_headers[TIMEOUT_HEADER] = f"{max(deadline, 0.0):.3f}"
         return ReplyStream(self, subject, message, self.default_timeout if timeout is None else timeout,
-                           self._headers(subject, headers), subject.format(**params))
+                           out_headers, subject.format(**params))
 
     async def publish(self, subject: Subject, message: Any, *, headers: dict[str, str] | None = None,
                       **params: str) -> None:
@@ -237,7 +222,7 @@ class Bus:
 
         async def on_message(raw: RawMsg) -> None:
             try:
-                enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), subject.encoding)
+                enc = Encoding.from_header(header(raw, CONTENT_TYPE_HEADER), subject.encoding)
                 event = decode(raw.data, subject.request, enc, raw.subject)
                 with tracing.server_span(f"{subject.template} event", raw.headers):
                     await handler(event)
@@ -326,13 +311,7 @@ class Bus:
         elif not waiter.done():
             waiter.set_result(raw)
 
-    @staticmethod
-    def _raise_for_reply(raw: RawMsg, name: str) -> None:
-        error = error_from_headers(raw.headers)
-        if error is not None:
-            raise error
-        if _h(raw, STATUS_HEADER) == NO_RESPONDERS:
-            raise Unavailable(f"no service is listening on {name}")
+    _raise_for_reply = staticmethod(raise_for_reply)
 
     async def _listen_for_cancels(self) -> None:
         if self._cancel_sub is None:
@@ -366,12 +345,17 @@ class Bus:
         in_headers = raw.headers or {}
         request_id = in_headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         base = {REQUEST_ID_HEADER: request_id}
+        expiry: asyncio.TimerHandle | None = None
         with tracing.server_span(subject.template, in_headers, **{"kvbus.request_id": request_id}) as span:
             try:
                 enc = Encoding.from_header(in_headers.get(CONTENT_TYPE_HEADER), subject.encoding)
                 base[CONTENT_TYPE_HEADER] = enc.value
                 message = decode(raw.data, subject.request, enc, raw.subject)
-                args = (message, RequestContext(request_id, raw.subject, in_headers, time.monotonic())) \
+                received_at = time.monotonic()
+                deadline = _deadline(in_headers, received_at)
+                if deadline is not None:
+                    expiry = self._expire_at(deadline, asyncio.current_task())
+                args = (message, RequestContext(request_id, raw.subject, in_headers, received_at, deadline)) \
                     if wants_ctx else (message,)
                 self._tasks_by_request.setdefault(request_id, set()).add(asyncio.current_task())
                 if subject.streamed:
@@ -383,7 +367,13 @@ class Bus:
                 # The caller gave up (CancelEvent): nobody is listening. Otherwise the service is
                 # shutting down: say so, so the caller retries elsewhere instead of timing out.
                 span.set_attribute("kvbus.cancelled", True)
-                if asyncio.current_task() not in self._cancelled:
+                task = asyncio.current_task()
+                if task in self._expired:  # our own deadline timer: answer, and end normally
+                    task.uncancel()
+                    error = Timeout(f"{subject.template}: the caller's deadline passed (request id {request_id})")
+                    tracing.mark_error(span, error.code.value, error.message)
+                    await self._reply(raw, b"", {**base, **error.to_headers()})
+                elif task not in self._cancelled:
                     if not self._closed:
                         error = Unavailable(f"{subject.template} is shutting down (request id {request_id})")
                         await asyncio.shield(self._reply(raw, b"", {**base, **error.to_headers()}))
@@ -397,6 +387,8 @@ class Bus:
                 tracing.mark_error(span, error.code.value, error.message)
                 await self._reply(raw, b"", {**base, **error.to_headers()})
             finally:
+                if expiry is not None:
+                    expiry.cancel()
                 task = asyncio.current_task()
                 tasks = self._tasks_by_request.get(request_id)
                 if tasks is not None:
@@ -404,6 +396,16 @@ class Bus:
                     if not tasks:
                         del self._tasks_by_request[request_id]
                 self._cancelled.discard(task)
+                self._expired.discard(task)
+
+    def _expire_at(self, deadline: float, task: asyncio.Task) -> asyncio.TimerHandle:
+        """Cancel ``task`` at ``deadline`` (time.monotonic(), which is the event loop's clock too)."""
+        def expire() -> None:
+            if not task.done():
+                self._expired.add(task)
+                task.cancel()
+
+        return asyncio.get_running_loop().call_at(deadline, expire)
 
     async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
                              base: dict[str, str]) -> None:
@@ -418,82 +420,15 @@ class Bus:
         await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
 
 
-class ReplyStream:
-    """Async iterator over one streamed reply; also an async context manager."""
-
-    def __init__(self, bus: Bus, subject: Subject, message: Any, timeout: float,
-                 headers: dict[str, str], name: str):
-        self._bus = bus
-        self._subject = subject
-        self._message = message
-        self._timeout = timeout
-        self._headers = headers
-        self._name = name
-        self._queue: asyncio.Queue[RawMsg] = asyncio.Queue()
-        self._token: str | None = None
-        self._next_seq = 0
-        self._is_done = False
-        self.request_id = headers[REQUEST_ID_HEADER]
-
-    async def _start(self) -> None:
-        token, inbox = await self._bus._open_reply()
-        self._token = token
-        self._bus._pending[token] = self._queue
-        with tracing.client_span(f"{self._subject.template} stream", self._headers,
-                                 **{"messaging.destination": self._name}):
-            data = self._bus._encode_within_limit(self._message, self._subject, self._name, self._headers)
-            await self._bus.transport.publish(self._name, data, self._headers, reply=inbox)
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._is_done:
-            raise StopAsyncIteration
-        if self._token is None:
-            await self._start()
-        try:
-            raw = await asyncio.wait_for(self._queue.get(), self._timeout)
-        except asyncio.TimeoutError:
-            await self.aclose()
-            raise Timeout(f"stream on {self._name} stalled: nothing for {self._timeout:g}s",
-                          request_id=self.request_id) from None
-        try:
-            Bus._raise_for_reply(raw, self._name)
-        except BusError:
-            self._finish()
-            raise
-        kind = _h(raw, STREAM_HEADER)
-        seq = int(_h(raw, SEQ_HEADER) or -1)
-        if seq != self._next_seq:
-            await self.aclose()
-            raise Internal(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
-                           request_id=self.request_id)
-        if kind == "end":
-            self._finish()
-            raise StopAsyncIteration
-        self._next_seq += 1
-        enc = Encoding.from_header(_h(raw, CONTENT_TYPE_HEADER), self._subject.encoding)
-        return decode(raw.data, self._subject.reply, enc)
-
-    def _finish(self) -> None:
-        self._is_done = True
-        if self._token is not None:
-            self._bus._pending.pop(self._token, None)
-
-    async def aclose(self) -> None:
-        """Stop listening; if the stream had not ended, ask the server to cancel it."""
-        was_open = not self._is_done and self._token is not None
-        self._finish()
-        if was_open:
-            self._bus._send_cancel(self.request_id)
-
-    async def __aenter__(self) -> "ReplyStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-
-def _h(raw: RawMsg, name: str) -> str | None:
-    return raw.headers.get(name) if raw.headers else None
+def _deadline(headers: dict[str, str], received_at: float) -> float | None:
+    """The caller's deadline on our clock, from ``Kvbus-Timeout`` (ignored when malformed)."""
+    value = headers.get(TIMEOUT_HEADER)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    if seconds != seconds or seconds < 0 or seconds == float("inf"):
+        return None
+    return received_at + seconds

@@ -13,6 +13,8 @@ ERROR_CODE_HEADER = "Kvbus-Error-Code"
 ERROR_MESSAGE_HEADER = "Kvbus-Error-Message"
 MICRO_ERROR_HEADER = "Nats-Service-Error"
 MICRO_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+RETRY_AFTER_HEADER = "Kvbus-Retry-After"
+"""Seconds after which a refused request (overloaded, unavailable) may be tried again (HTTP: Retry-After)."""
 
 
 class ErrorCode(str, enum.Enum):
@@ -42,19 +44,23 @@ class BusError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str = "", *, request_id: str | None = None):
+    def __init__(self, message: str = "", *, request_id: str | None = None, retry_after: float | None = None):
         super().__init__(message or self.code.value)
         self.message = message or self.code.value
         self.request_id = request_id
+        self.retry_after = retry_after
 
     def to_headers(self) -> dict[str, str]:
         message = self.message.replace("\r", " ").replace("\n", " ")[:1024]
-        return {
+        headers = {
             ERROR_CODE_HEADER: self.code.value,
             ERROR_MESSAGE_HEADER: message,
             MICRO_ERROR_HEADER: message,
             MICRO_ERROR_CODE_HEADER: str(HTTP_STATUS[self.code]),
         }
+        if self.retry_after is not None:
+            headers[RETRY_AFTER_HEADER] = f"{self.retry_after:.3f}"
+        return headers
 
 
 class InvalidArgument(BusError, ValueError):
@@ -104,4 +110,8 @@ def error_from_headers(headers: dict[str, str] | None) -> BusError | None:
         return None
     cls = _BY_CODE.get(code, Internal)
     message = headers.get(ERROR_MESSAGE_HEADER, code)
-    return cls(message, request_id=headers.get("Kvbus-Request-Id"))
+    try:
+        retry_after = float(headers[RETRY_AFTER_HEADER]) if RETRY_AFTER_HEADER in headers else None
+    except ValueError:
+        retry_after = None
+    return cls(message, request_id=headers.get("Kvbus-Request-Id"), retry_after=retry_after)

@@ -45,10 +45,12 @@ class BusConfig:
     """Default seconds to wait for a reply (or the next chunk of a stream)."""
     max_reconnect_attempts: int = -1
     """Reconnect attempts after a lost connection (-1: forever)."""
+    reconnect_time_wait: float = 0.5
+    """Seconds between reconnect attempts to one server (nats-py adds jitter); subscriptions are restored."""
 
     def __post_init__(self) -> None:
-        if self.connect_timeout <= 0 or self.request_timeout <= 0:
-            raise ValueError("connect_timeout and request_timeout must be positive")
+        if self.connect_timeout <= 0 or self.request_timeout <= 0 or self.reconnect_time_wait <= 0:
+            raise ValueError("connect_timeout, request_timeout and reconnect_time_wait must be positive")
         if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
             raise ValueError("nats_tls_cert and nats_tls_key go together")
 
@@ -91,11 +93,18 @@ class NatsTransport(Transport):
         return self.nc.max_payload
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
             try:
                 await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+                return
+            except Exception as exc:
+                log.debug("nats: drain failed (%s); closing", exc)
+        try:  # NATS gone (or going): close without a goodbye, and without a traceback
+            await self.nc.close()
+        except Exception as exc:
+            log.info("nats: connection closed without a clean goodbye: %s", exc or type(exc).__name__)
 
 
 def _tls_context(config: BusConfig) -> ssl.SSLContext | None:
@@ -126,7 +135,7 @@ async def connect(config: BusConfig | None = None, *, name: str = "kvbus") -> Bu
     kwargs = dict(
         servers=servers, name=name, connect_timeout=config.connect_timeout,
         max_reconnect_attempts=config.max_reconnect_attempts, allow_reconnect=True,
-        reconnect_time_wait=1, error_cb=on_error, disconnected_cb=on_disconnect,
+        reconnect_time_wait=config.reconnect_time_wait, error_cb=on_error, disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect, tls=_tls_context(config),
     )
     if config.nats_user:

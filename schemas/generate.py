@@ -28,6 +28,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stream_interval: int = 1
     """Coalesce this many tokens per streamed chunk."""
     include_token_ids: bool = True
+    timeout_s: float | None = None
+    """Seconds the caller waits for the whole generation; past it the generation is cancelled and its
+    pages freed (the ``Kvbus-Timeout`` header does the same; the earlier of the two wins)."""
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):

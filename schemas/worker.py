@@ -61,6 +61,9 @@ class WorkerGenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     prefill_worker_id: str | None = None
     stream_interval: int = 1
     prefill_host_id: str | None = None
+    deadline_s: float | None = None
+    """Seconds left for the whole generation when the gateway sent it (relative: clocks need not agree);
+    None: no deadline. The worker refuses work it cannot start in time and the bus cancels it past this."""
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -80,6 +83,8 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     transfer: TransferTarget
+    deadline_s: float | None = None
+    """Seconds left for the prefill (and transfer) when the decode worker sent it; None: no deadline."""
 
 
 class PrefillReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,6 +35,9 @@ def serve_parser(role: str, actor_cls: type) -> argparse.ArgumentParser:
     parser.add_argument("--worker-id", default=os.environ.get("KVBUS_WORKER_ID"),
                         help="stable id of this replica (default: random) [env KVBUS_WORKER_ID]")
     parser.add_argument("--log-level", default=os.environ.get("KVBUS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--drain-timeout", type=float, default=float(os.environ.get("KVBUS_DRAIN_TIMEOUT", "30")),
+                        help="on SIGTERM: seconds to finish in-flight work before it is cut off "
+                             "[env KVBUS_DRAIN_TIMEOUT]")
     cfg.add_arguments(parser, BusConfig)
     cfg.add_arguments(parser, actor_cls.config_class)
     return parser
@@ -65,7 +68,7 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     actor = actor_cls(config, worker_id=args.worker_id)
     try:
-        asyncio.run(run_actor(actor, bus_config))
+        asyncio.run(run_actor(actor, bus_config, drain_timeout=args.drain_timeout))
     except Exception as exc:  # startup failures: say what happened, not a traceback
         from bus.errors import BusError
         from services.models import ModelError

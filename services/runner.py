@@ -52,9 +52,14 @@ async def run_actor(actor: Actor, bus_config: BusConfig, *, drain_timeout: float
         log.info("%s %s ready in %.1fs on %s", actor.role, actor.worker_id, time.monotonic() - t0,
                  bus_config.nats_url)
         await stop.wait()
-        log.info("%s %s draining (%d in flight)", actor.role, actor.worker_id, bus.num_inflight)
+        log.info("%s %s draining (%d in flight, up to %gs)", actor.role, actor.worker_id, bus.num_inflight,
+                 drain_timeout)
         actor.is_ready = False
-        await announcement.withdraw()
+        try:
+            await announcement.withdraw()
+        except Exception as exc:  # NATS gone: nobody to tell; no traceback for an expected state
+            log.warning("%s %s: could not withdraw the announcement: %s", actor.role, actor.worker_id,
+                        exc or type(exc).__name__)
         await actor.drain(drain_timeout)
         await bus.drain(timeout=drain_timeout)
     finally:

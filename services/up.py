@@ -4,6 +4,11 @@ Starts nats-server (unless ``--nats-url`` points at one), prepares the model,
 starts each role's replicas, waits for their health subjects, serves a first
 real request, prints where everything is, streams logs with a role prefix, and
 on Ctrl-C stops the services, then nats-server last.
+
+Once ready it supervises what it started: a process that dies is logged and
+restarted with exponential backoff (its replacement rejoins through its
+heartbeats and health subjects). Every child dies with ``kvbus up`` even when
+``kvbus up`` itself is killed with SIGKILL (Linux: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -31,6 +36,48 @@ class Child:
     cpus: frozenset[int] | None = None  # CPU affinity set before exec; None: inherit ours
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = None
+    num_restarts: int = 0
+    """Restarts in a row (reset once a replacement stays up STABLE_AFTER_S)."""
+    started_at: float = 0.0
+    restart_at: float | None = None
+    """When the dead process is due to be restarted (None: alive, or not yet noticed)."""
+
+
+RESTART_DELAY_S = 1.0
+"""Delay before the first restart of a dead service; doubles per restart in a row."""
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 60.0
+"""A process up this long is healthy again: its next death restarts after RESTART_DELAY_S."""
+PR_SET_PDEATHSIG = 1
+_libc = None
+
+
+def _child_setup(cpus: frozenset[int] | None, parent_pid: int):
+    """What a child runs between fork and exec: CPU set, and death with its parent."""
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)  # loaded here, in the parent: nothing to load after fork
+    libc = _libc
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if libc is not None:
+            # SIGTERM when kvbus up dies, however it dies (services drain; nats-server stops)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent_pid:  # the parent died before prctl took hold
+                os._exit(1)
+
+    return setup
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"code {code} ({signal.Signals(-code).name})"
+    return f"code {code}"
 
 
 DISAGG_MIN_CORES = 8
@@ -80,21 +127,49 @@ def say(text: str) -> None:
 
 
 class Supervisor:
-    def __init__(self, quiet: bool = False):
+    def __init__(self, quiet: bool = False, stop_timeout: float = 40.0):
         self.children: list[Child] = []
         self.quiet = quiet
+        self.stop_timeout = stop_timeout
+        self.is_stopping = False
+        self.num_restarts = 0
 
     async def start(self, child: Child) -> None:
+        await self._spawn(child)
+        self.children.append(child)
+
+    async def _spawn(self, child: Child) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", }
-        cpus = child.cpus
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C reaches us; we stop children in order
-            # the child's every thread (OpenMP's included) inherits the set
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            # the child's every thread (OpenMP's included) inherits the CPU set
+            preexec_fn=_child_setup(child.cpus, os.getpid()),
         )
+        child.started_at = time.monotonic()
         child.pump = asyncio.create_task(self._pump(child))
-        self.children.append(child)
+
+    async def supervise(self) -> None:
+        """Notice dead children and restart each when its backoff is over (call it every second or so)."""
+        if self.is_stopping:
+            return
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is None or child.proc.returncode is None:
+                continue
+            if child.restart_at is None:
+                if now - child.started_at >= STABLE_AFTER_S:
+                    child.num_restarts = 0
+                delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** child.num_restarts)
+                child.restart_at = now + delay
+                say(f"{child.name} (pid {child.proc.pid}) exited with {describe_exit(child.proc.returncode)}; "
+                    f"restarting in {delay:g}s")
+            elif now >= child.restart_at:
+                child.restart_at = None
+                child.num_restarts += 1
+                self.num_restarts += 1
+                await self._spawn(child)
+                say(f"{child.name} restarted (pid {child.proc.pid}, restart {child.num_restarts} in a row)")
 
     async def _pump(self, child: Child) -> None:
         assert child.proc and child.proc.stdout
@@ -107,7 +182,8 @@ class Supervisor:
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc and c.proc.returncode is not None]
 
-    async def stop(self, child: Child, timeout: float = 20.0) -> None:
+    async def stop(self, child: Child, timeout: float | None = None) -> None:
+        timeout = self.stop_timeout if timeout is None else timeout
         if child.proc is None or child.proc.returncode is not None:
             return
         child.proc.send_signal(signal.SIGTERM)
@@ -121,6 +197,7 @@ class Supervisor:
                 await asyncio.wait_for(child.pump, 2)
 
     async def stop_all(self, last: Child | None = None) -> None:
+        self.is_stopping = True
         services = [c for c in self.children if c is not last]
         await asyncio.gather(*(self.stop(c) for c in services))
         if last is not None:
@@ -200,7 +277,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
     children = []
     for role, ids in roles.items():
         for wid in ids:
-            argv = [py, "-m", "services.cli", "serve", role, "--worker-id", wid, "--nats-url", nats_url]
+            argv = [py, "-m", "services.cli", "serve", role, "--worker-id", wid, "--nats-url", nats_url,
+                    "--drain-timeout", str(getattr(args, "drain_timeout", 30.0))]
             cpus = None
             if role in ("tokenizer", "prefill", "decode", "worker"):
                 argv += ["--model", str(model_dir)]
@@ -222,7 +300,7 @@ async def up(args: argparse.Namespace) -> int:
     from bus.nats_transport import connect
     from services.models import ModelError, resolve_model
 
-    supervisor = Supervisor(quiet=args.quiet)
+    supervisor = Supervisor(quiet=args.quiet, stop_timeout=args.drain_timeout + 10.0)
     nats_child: Child | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -300,12 +378,9 @@ async def up(args: argparse.Namespace) -> int:
                 return 0
             say("Ctrl-C stops everything")
             while not stop.is_set():
-                dead = supervisor.dead()
-                if dead:
-                    say(f"{dead[0].name} exited with code {dead[0].proc.returncode}; stopping")
-                    return 1
+                await supervisor.supervise()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.wait_for(stop.wait(), 0.5)
             return 0
         finally:
             await bus.close()
@@ -350,6 +425,8 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--api-key-file", default=None,
                         help="file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)")
     parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on stop: seconds each service may take to finish in-flight work (then it is cut off)")
     parser.add_argument("--exit-after-ready", action="store_true",
                         help="stop everything once the first request was served (smoke test)")
     parser.add_argument("--quiet", action="store_true", help="don't stream service logs")

@@ -21,6 +21,7 @@ from services.config import ConfigError
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import GenerationPipeline
+from services.liveness import WorkerLiveness
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class GatewayActor(Actor):
         """The port the HTTP API listens on, once started (the real one when configured as 0)."""
         self._server = None
         self._server_task: asyncio.Task | None = None
+        self.liveness: WorkerLiveness | None = None
 
     def routes(self):
         return [(GENERATE, self.handle_generate, {}), (GENERATE_ONCE, self.handle_generate_once, {})]
@@ -47,21 +49,28 @@ class GatewayActor(Actor):
     async def start(self, bus: Bus) -> None:
         from services.gateway.http import create_app
 
-        self.pipeline = GenerationPipeline(bus, self.config, self.metrics)
+        self.liveness = WorkerLiveness(self.config.worker_ttl)
+        await self.liveness.start(bus)
+        self.pipeline = GenerationPipeline(bus, self.config, self.metrics, self.liveness)
         self.app = create_app(self)
         await super().start(bus)
         if self.config.enable_http:
             await self._start_http()
 
     async def handle_generate(self, req: GenerateRequest, ctx: RequestContext) -> AsyncIterator[GenerateChunk]:
-        async for chunk in self.pipeline.generate(req, request_id=ctx.request_id, endpoint="generate"):
+        async for chunk in self.pipeline.generate(req, request_id=ctx.request_id, endpoint="generate",
+                                                  deadline=ctx.deadline):
             yield chunk
 
     async def handle_generate_once(self, req: GenerateRequest, ctx: RequestContext) -> GenerateReply:
-        return await self.pipeline.generate_once(req, request_id=ctx.request_id, endpoint="generate_once")
+        return await self.pipeline.generate_once(req, request_id=ctx.request_id, endpoint="generate_once",
+                                                 deadline=ctx.deadline)
 
     def health_detail(self) -> dict[str, str]:
         detail = {"inflight": str(self.pipeline.num_inflight if self.pipeline else 0)}
+        if self.pipeline is not None:
+            detail["migrations"] = str(self.pipeline.num_migrations)
+            detail["migrations_failed"] = str(self.pipeline.num_migrations_failed)
         if self.http_port is not None:
             detail["http"] = self.http_url
         return detail
@@ -115,6 +124,8 @@ class GatewayActor(Actor):
 
     async def stop(self) -> None:
         await super().stop()
+        if self.liveness is not None:
+            await self.liveness.stop()
         if self._server_task is not None:
             self._server.should_exit = True
             self._server.force_exit = True

@@ -33,15 +33,21 @@ class GatewayConfig:
     """HTTP API keys: /v1/* needs ``Authorization: Bearer KEY`` with one of them (401 otherwise); none: open."""
     api_key_file: str | None = None
     """File of HTTP API keys, one per line (blank lines and # comments skipped), added to api_key."""
+    worker_ttl: float = 3.0
+    """Seconds without a heartbeat after which a worker streaming to us is taken for dead (its requests migrate)."""
+    max_migrations: int = 3
+    """Times one request may move to another worker after its worker died; past it the caller gets unavailable."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"GatewayConfig.http_port must be in [0, 65535], got {self.http_port}")
-        for name in ("generate_timeout", "stream_stall_timeout", "call_timeout"):
+        for name in ("generate_timeout", "stream_stall_timeout", "call_timeout", "worker_ttl"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"GatewayConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"GatewayConfig.max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"GatewayConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_request_bytes < 1024:

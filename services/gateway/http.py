@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -81,7 +82,11 @@ def _sse(body: Any) -> bytes:
 
 def _error(exc: BaseException) -> Response:
     status, body = error_response(exc)
-    return _json(body, status)
+    headers = None
+    if status in (429, 503):  # refused, not failed: say when to come back (RFC 9110 Retry-After, seconds)
+        retry_after = getattr(exc, "retry_after", None) or 1.0
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+    return _json(body, status, headers)
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -7,12 +7,15 @@ so limits, retries and metrics are the same on every entry point.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from bus import Bus, BusError, Cancelled, Internal, InvalidArgument, Overloaded, Timeout, Unavailable
-from bus.core import REQUEST_ID_HEADER
+from bus.core import REQUEST_ID_HEADER, StreamBroken
 from bus.errors import HTTP_STATUS, ErrorCode
 from bus.subjects import HEALTH, ROUTE, TOKENIZER_CHAT, TOKENIZER_DECODE, TOKENIZER_ENCODE, TOKENIZER_INFO, \
     WORKER_GENERATE
@@ -25,11 +28,18 @@ from schemas.worker import RouteRequest, TokenChunk, WorkerGenerateRequest
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.validation import check_before_work
+from services.liveness import WorkerDied, WorkerLiveness
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 2
-"""A worker that is unavailable before it streamed anything gets one retry elsewhere."""
+MAX_RETRIES = 1
+"""A worker that answers unavailable before it streamed anything is retried once elsewhere (a dead
+worker, known from its heartbeats, is a migration instead: GatewayConfig.max_migrations)."""
+
+
+DEADLINE_GRACE_S = 1.0
+"""The worker's bus cancels a generation this long after the gateway's deadline: the gateway ends the
+caller's request itself, the worker's own expiry only matters when the gateway is gone."""
 
 
 class PromptTooLong(InvalidArgument):
@@ -41,11 +51,18 @@ class UnknownModel(InvalidArgument):
 
 
 class GenerationPipeline:
-    def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics):
+    def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics,
+                 liveness: WorkerLiveness | None = None):
         self.bus = bus
         self.config = config
         self.metrics = metrics
+        self.liveness = liveness
+        """Heartbeat watch: a stream from a worker that died ends at once (then migrates)."""
         self.num_inflight = 0
+        self.num_migrations = 0
+        """Requests moved to another worker mid-generation (each move counts)."""
+        self.num_migrations_failed = 0
+        """Requests that ran out of max_migrations (or of workers) and ended unavailable."""
         self._info: TokenizerInfoReply | None = None
         self._info_lock = asyncio.Lock()
         self._token_texts: dict[int, str] = {}
@@ -126,19 +143,30 @@ class GenerationPipeline:
                                 f"{num_prompt_tokens + max_tokens} exceeds the context length {limit}")
 
     # --- generation -------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest, *, request_id: str, endpoint: str) -> AsyncIterator[GenerateChunk]:
-        """Stream the generation; every way out is counted in the metrics under ``endpoint``."""
+    async def generate(self, req: GenerateRequest, *, request_id: str, endpoint: str,
+                       deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """Stream the generation; every way out is counted in the metrics under ``endpoint``.
+
+        ``deadline`` (time.monotonic()) is when the caller stops waiting; the earliest of it,
+        ``req.timeout_s`` and ``generate_timeout`` bounds the generation on every hop.
+        """
         if self.num_inflight >= self.config.max_concurrent_requests:
             self.metrics.observe_request(endpoint, HTTP_STATUS[ErrorCode.OVERLOADED], ErrorCode.OVERLOADED.value)
-            raise Overloaded(f"the gateway is at max_concurrent_requests={self.config.max_concurrent_requests}")
+            raise Overloaded(f"the gateway is at max_concurrent_requests={self.config.max_concurrent_requests}",
+                             retry_after=1.0)
         self.num_inflight += 1
         started = time.monotonic()
         error: BusError | None = None
         try:
+            if req.timeout_s is not None and not req.timeout_s > 0:
+                raise InvalidArgument(f"timeout_s must be > 0, got {req.timeout_s}")
+            ends = [started + self.config.generate_timeout]
+            ends += [deadline] if deadline is not None else []
+            ends += [started + req.timeout_s] if req.timeout_s is not None else []
             prompt_ids = await self.prompt_token_ids(req)
             timings = {"tokenize_s": time.monotonic() - started}
             last = None
-            async for chunk in self._stream_from_worker(req, prompt_ids, request_id, started, timings):
+            async for chunk in self._stream_from_worker(req, prompt_ids, request_id, min(ends), timings):
                 now = time.monotonic()
                 if chunk.token_ids:
                     if last is None:
@@ -169,13 +197,14 @@ class GenerationPipeline:
             else:
                 self.metrics.observe_request(endpoint, HTTP_STATUS[error.code], error.code.value)
 
-    async def generate_once(self, req: GenerateRequest, *, request_id: str, endpoint: str) -> GenerateReply:
+    async def generate_once(self, req: GenerateRequest, *, request_id: str, endpoint: str,
+                            deadline: float | None = None) -> GenerateReply:
         """The whole generation as one reply."""
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         finish_reason, usage = None, None
-        async for chunk in self.generate(req, request_id=request_id, endpoint=endpoint):
+        async for chunk in self.generate(req, request_id=request_id, endpoint=endpoint, deadline=deadline):
             texts.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
@@ -189,48 +218,123 @@ class GenerationPipeline:
                              logprobs=logprobs if req.sampling.logprobs is not None else None)
 
     async def _stream_from_worker(self, req: GenerateRequest, prompt_ids: list[int], request_id: str,
-                                  started: float, timings: dict[str, float]) -> AsyncIterator[TokenChunk]:
-        deadline = started + self.config.generate_timeout
+                                  deadline: float, timings: dict[str, float]) -> AsyncIterator[TokenChunk]:
+        """The worker's chunks; a worker that dies mid-stream is replaced, the stream goes on.
+
+        Migration: the next worker gets the prompt plus every token already streamed, and
+        ``max_tokens`` less those, so the caller's stream continues with no gap and no repeat
+        (greedy output is the undisturbed one). Usage is reported as if one worker did it all.
+        """
         excluded: list[str] = []
-        for attempt in range(MAX_ATTEMPTS):
+        generated: list[int] = []
+        emitted: list[str] = []
+        pending_text = ""
+        num_retries = num_migrations = 0
+        for attempt in itertools.count():
             t_route = time.monotonic()
             route = await self.bus.request(
-                ROUTE, RouteRequest(request_id=request_id, prompt_token_ids=prompt_ids, session_id=req.session_id,
-                                    exclude_worker_ids=excluded),
-                timeout=self.config.call_timeout)
-            timings["route_s"] = time.monotonic() - t_route
-            # One id per attempt (the worker's engine and the bus's cancel both key on it), distinct from
-            # the caller's: a caller's cancel reaches the worker only through this gateway closing the stream.
-            worker_request_id = f"{request_id}-{attempt}"
-            message = WorkerGenerateRequest(request_id=worker_request_id, prompt_token_ids=prompt_ids,
-                                            sampling=req.sampling, prefill_worker_id=route.prefill_worker_id,
-                                            stream_interval=req.stream_interval,
-                                            prefill_host_id=route.prefill_host_id)
-            num_chunks = 0
+                ROUTE, RouteRequest(request_id=request_id, prompt_token_ids=prompt_ids + generated,
+                                    session_id=req.session_id, exclude_worker_ids=excluded),
+                timeout=min(self.config.call_timeout, max(deadline - t_route, 0.001)))
+            if attempt == 0:
+                timings["route_s"] = time.monotonic() - t_route
+            worker_id = route.decode_worker_id
+            message = self._worker_request(req, prompt_ids, generated, route, f"{request_id}-{attempt}", deadline)
+            num_before = len(generated)
             try:
-                # Leaving this block early (error, timeout, our caller cancelled or closed us) closes
-                # the stream, which publishes a CancelEvent: the worker aborts and frees its pages.
-                async with self.bus.stream(WORKER_GENERATE, message, timeout=self.config.stream_stall_timeout,
-                                           headers={REQUEST_ID_HEADER: worker_request_id},
-                                           worker_id=route.decode_worker_id) as chunks:
-                    while True:
-                        remaining = deadline - time.monotonic()
-                        try:
-                            # NOTE: the timeout wraps one await, never a yield of this generator.
-                            async with asyncio.timeout(max(remaining, 0.0)):
-                                chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            return
-                        except TimeoutError as exc:
-                            if isinstance(exc, BusError):  # the stall timeout of the stream itself
-                                raise
-                            raise Timeout(f"request {request_id} exceeded generate_timeout="
-                                          f"{self.config.generate_timeout:g}s") from None
-                        num_chunks += 1
-                        yield chunk
+                async for chunk in self._chunks_from(worker_id, message, request_id, deadline):
+                    if num_before:  # a migrated stream: count as if one worker did it all
+                        chunk = _continued(chunk, num_before, pending_text)
+                        pending_text = ""
+                    generated += chunk.token_ids
+                    emitted.append(chunk.text)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+                return
             except Unavailable as exc:
-                if num_chunks or attempt + 1 == MAX_ATTEMPTS:
+                died = isinstance(exc, WorkerDied)
+                broken = isinstance(exc, StreamBroken)  # the connection lost chunks; the worker may be fine
+                if not broken:
+                    excluded.append(worker_id)
+                if not generated and not died and num_retries < MAX_RETRIES:
+                    num_retries += 1
+                    log.warning("worker %s unavailable for %s (%s); retrying on another worker",
+                                worker_id, request_id, exc.message)
+                    continue
+                if not generated and not died and not broken:
                     raise
-                log.warning("worker %s unavailable for %s (%s); retrying on another worker",
-                            route.decode_worker_id, request_id, exc.message)
-                excluded.append(route.decode_worker_id)
+                if num_migrations >= self.config.max_migrations:
+                    self.num_migrations_failed += 1
+                    raise Unavailable(f"request {request_id}: worker {worker_id} failed ({exc.message}) after "
+                                      f"{num_migrations} migrations (max_migrations="
+                                      f"{self.config.max_migrations})", request_id=request_id) from None
+                num_migrations += 1
+                self.num_migrations += 1
+                log.warning("worker %s failed for %s after %d tokens (%s); migrating (%d/%d)", worker_id,
+                            request_id, len(generated), exc.message, num_migrations, self.config.max_migrations)
+                if generated:
+                    pending_text = await self._missing_text(req, generated, "".join(emitted))
+
+    def _worker_request(self, req: GenerateRequest, prompt_ids: list[int], generated: list[int], route,
+                        worker_request_id: str, deadline: float) -> WorkerGenerateRequest:
+        sampling = req.sampling
+        if generated and sampling.max_tokens is not None:
+            sampling = msgspec.structs.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(generated)))
+        return WorkerGenerateRequest(request_id=worker_request_id, prompt_token_ids=prompt_ids + generated,
+                                     sampling=sampling, prefill_worker_id=route.prefill_worker_id,
+                                     stream_interval=req.stream_interval, prefill_host_id=route.prefill_host_id,
+                                     deadline_s=max(deadline - time.monotonic(), 0.0))
+
+    async def _chunks_from(self, worker_id: str, message: WorkerGenerateRequest, request_id: str,
+                           deadline: float) -> AsyncIterator[TokenChunk]:
+        # One id per attempt (the worker's engine and the bus's cancel both key on it), distinct from
+        # the caller's: a caller's cancel reaches the worker only through this gateway closing the stream.
+        # Leaving this block early (error, timeout, our caller cancelled or closed us) closes the
+        # stream, which publishes a CancelEvent: the worker aborts and frees its pages.
+        async with self.bus.stream(WORKER_GENERATE, message, timeout=self.config.stream_stall_timeout,
+                                   headers={REQUEST_ID_HEADER: message.request_id},
+                                   deadline=message.deadline_s + DEADLINE_GRACE_S,
+                                   worker_id=worker_id) as chunks:
+            dead = self.liveness.watch(worker_id) if self.liveness is not None else None
+            if dead is not None:
+                dead.add_done_callback(lambda f: f.cancelled() or chunks.abort(WorkerDied(
+                    f"worker {worker_id} sent no heartbeat for {self.config.worker_ttl:g}s", request_id=request_id)))
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    try:
+                        # NOTE: the timeout wraps one await, never a yield of this generator.
+                        async with asyncio.timeout(max(remaining, 0.0)):
+                            chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError as exc:
+                        if isinstance(exc, BusError) and time.monotonic() < deadline:
+                            raise  # the stall timeout of the stream itself
+                        raise Timeout(f"request {request_id} exceeded generate_timeout="
+                                      f"{self.config.generate_timeout:g}s or the caller's deadline") from None
+                    yield chunk
+            finally:
+                if dead is not None:
+                    dead.cancel()
+
+    async def _missing_text(self, req: GenerateRequest, generated: list[int], emitted: str) -> str:
+        """Text of ``generated`` the dead worker held back (half a character, a possible stop string)."""
+        try:
+            reply = await self.bus.request(
+                TOKENIZER_DECODE, DecodeRequest(ids=generated, skip_special_tokens=req.sampling.skip_special_tokens),
+                timeout=self.config.call_timeout)
+        except BusError:
+            return ""
+        return reply.text[len(emitted):] if reply.text.startswith(emitted) else ""
+
+
+def _continued(chunk: TokenChunk, num_before: int, pending_text: str) -> TokenChunk:
+    """A chunk of a migrated stream as the caller sees it: usage over the whole generation, text joined."""
+    usage = chunk.usage
+    if usage is not None:
+        prompt_tokens = usage.prompt_tokens - num_before
+        usage = Usage(prompt_tokens=prompt_tokens, cached_prompt_tokens=min(usage.cached_prompt_tokens, prompt_tokens),
+                      completion_tokens=usage.completion_tokens + num_before)
+    return msgspec.structs.replace(chunk, text=pending_text + chunk.text, usage=usage, timings=None)

@@ -104,7 +104,8 @@ class Router:
             limit = (f"max_prefill_tokens_per_worker={cfg.max_prefill_tokens_per_worker}" if stage == "prefill"
                      else f"max_requests_per_worker={cfg.max_requests_per_worker}")
             raise Overloaded(f"all {len(pool)} {stage} workers are busy ({limit}, "
-                             f"min_free_page_fraction={cfg.min_free_page_fraction:g}); retry later")
+                             f"min_free_page_fraction={cfg.min_free_page_fraction:g}); retry later",
+                             retry_after=1.0)
         return ready
 
     def _none_alive(self, stage: str, roles: Sequence[str], excluded: set[str]) -> str:

@@ -15,11 +15,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from bus.errors import InvalidArgument, Overloaded, Unavailable
+from bus.errors import InvalidArgument, Unavailable
 from bus.subjects import WORKER_GENERATE, WORKER_HEARTBEAT
 from schemas.engine import RequestOutput
 from schemas.worker import TokenChunk, WorkerGenerateRequest, WorkerHeartbeatEvent, WorkerLoad
 from services.actor import Actor
+from services.workers.admission import Admission
 from services.workers.config import WorkerConfig, default_host_id
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class EngineWorker(Actor):
         self.is_draining = False
         self.num_admitting = 0
         """Requests admitted but not yet in the engine (prefilling remotely, or receiving KV)."""
+        self.admission = Admission(config.max_running_requests, config.max_queue, config.max_queue_wait)
 
     async def setup(self) -> None:
         if self.engine is None:
@@ -87,26 +89,32 @@ class EngineWorker(Actor):
         while True:
             try:
                 await self.bus.publish(WORKER_HEARTBEAT, self.heartbeat())
-            except Exception:
-                log.warning("heartbeat failed", exc_info=True)
+            except Exception as exc:  # NATS away: it reconnects by itself; one line, no traceback
+                log.warning("heartbeat not sent: %s", exc or type(exc).__name__)
             await asyncio.sleep(self.config.heartbeat_interval)
 
-    def admit(self) -> None:
-        """Refuse work past max_running_requests plus the bounded queue."""
+    async def drain(self, timeout: float) -> None:
+        """Say we are draining at once, so routers stop sending work before our next beat."""
+        self.is_draining = True
+        try:
+            await self.bus.publish(WORKER_HEARTBEAT, self.heartbeat())
+        except Exception as exc:
+            log.warning("draining heartbeat not sent: %s", exc or type(exc).__name__)
+
+    def admit(self, deadline_s: float | None = None, max_tokens: int | None = None) -> None:
+        """Refuse work past max_running_requests plus the bounded queue, or that would wait too long."""
         if self.is_draining:  # before the capacity check: unavailable sends the caller elsewhere
             raise Unavailable(f"worker {self.worker_id} is draining")
         engine = self.engine
-        limit = self.config.max_running_requests + self.config.max_queue
         in_system = engine.num_running + engine.num_waiting + self.num_admitting
-        if in_system >= limit:
-            raise Overloaded(f"worker {self.worker_id} is full: {engine.num_running} running, "
-                             f"{engine.num_waiting + self.num_admitting} waiting (limit {limit})")
+        self.admission.check(in_system, deadline_s, f"worker {self.worker_id}", max_tokens)
 
     def health_detail(self) -> dict[str, str]:
         if self.engine is None:
             return {}
         load = self.load()
         return {"running": str(load.num_running), "waiting": str(load.num_waiting),
+                "refused": str(self.admission.num_refused),
                 "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
 
 
@@ -154,7 +162,7 @@ class WorkerActor(EngineWorker):
     async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
         from services.engine import RequestError
 
-        self.admit()
+        self.admit(req.deadline_s, req.sampling.max_tokens)
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         self.num_admitting += 1
@@ -172,6 +180,8 @@ class WorkerActor(EngineWorker):
         async with contextlib.aclosing(coalesce(first, outputs, interval, timings)) as chunks:
             async for chunk in chunks:
                 yield chunk
+                if chunk.finish_reason is not None and chunk.usage is not None:
+                    self.admission.observe_finished(time.monotonic() - t0, chunk.usage.completion_tokens)
 
     async def start_outputs(self, req: WorkerGenerateRequest,
                             timings: dict[str, float]) -> AsyncIterator[RequestOutput]:

@@ -19,6 +19,12 @@ def default_host_id() -> str:
 class WorkerConfig(EngineConfig):
     max_queue: int = 64
     """Requests that may wait for a batch slot beyond max_running_requests; past it callers get overloaded."""
+    max_queue_wait: float = 30.0
+    """Most seconds a new request may expect to wait for a batch slot (from recent service times);
+    past it callers get overloaded at once, with a Retry-After."""
+    peer_ttl: float = 3.0
+    """Seconds without a heartbeat after which a prefill worker we wait on is taken for dead
+    (the prompt is then prefilled locally at once)."""
     stream_interval: int = 1
     """Default tokens per streamed chunk (a request may ask for more)."""
     heartbeat_interval: float = 1.0
@@ -36,6 +42,8 @@ class WorkerConfig(EngineConfig):
             raise ConfigError(f"WorkerConfig.max_queue must be >= 0, got {self.max_queue}")
         if self.stream_interval < 1:
             raise ConfigError(f"WorkerConfig.stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.max_queue_wait > 0 or not self.peer_ttl > 0:
+            raise ConfigError("WorkerConfig.max_queue_wait and peer_ttl must be > 0")
         if not self.heartbeat_interval > 0 or not self.transfer_timeout > 0:
             raise ConfigError("WorkerConfig.heartbeat_interval and transfer_timeout must be > 0")
         if self.kv_transfer not in TRANSFER_BACKENDS:

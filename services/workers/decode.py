@@ -2,7 +2,9 @@
 
 When the router names no prefill worker (short prompts, no prefill worker
 alive) the decode worker prefills locally. A prefill or transfer that fails is
-retried once locally, so a dead prefill worker costs time, never the request.
+retried once locally, so a dead prefill worker costs time, never the request;
+the prefill worker's heartbeats are watched meanwhile, so its death is known
+within ``peer_ttl`` seconds, not the transfer timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from bus.errors import BusError, InvalidArgument, Unavailable
 from bus.subjects import PREFILL
 from schemas.worker import PrefillRequest, WorkerGenerateRequest
+from services.liveness import WorkerLiveness
 from services.workers.actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,7 @@ class DecodeActor(WorkerActor):
     def __init__(self, config, *, worker_id=None, engine=None):
         super().__init__(config, worker_id=worker_id, engine=engine)
         self.receiver = None
+        self.liveness = None
         self.num_remote_prefills = 0
         self.num_local_prefills = 0
         self.num_prefill_failures = 0
@@ -34,10 +38,14 @@ class DecodeActor(WorkerActor):
         from services.transfer import KVReceiver
 
         self.receiver = await KVReceiver.open(bus, self.worker_id, self.host_id, self.config.kv_transfer)
+        self.liveness = WorkerLiveness(self.config.peer_ttl)
+        await self.liveness.start(bus)
         await super().start(bus)
 
     async def stop(self) -> None:
         await super().stop()
+        if self.liveness is not None:
+            await self.liveness.stop()
         if self.receiver is not None:
             await self.receiver.close()
 
@@ -59,14 +67,19 @@ class DecodeActor(WorkerActor):
         transfer_id = uuid.uuid4().hex
         target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id)
         t0 = time.monotonic()
+        timeout = self.config.transfer_timeout
+        if req.deadline_s is not None:
+            timeout = max(min(timeout, req.deadline_s), 0.001)
+        peer = req.prefill_worker_id
         try:
-            reply = await self.bus.request(
+            reply = await self.liveness.guard(self.bus.request(
                 PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling=req.sampling, transfer=target),
-                timeout=self.config.transfer_timeout, worker_id=req.prefill_worker_id)
+                                        sampling=req.sampling, transfer=target, deadline_s=timeout),
+                timeout=timeout, worker_id=peer), peer, f"prefill of {req.request_id}")
             t1 = time.monotonic()
             try:
-                kv = await self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout)
+                kv = await self.liveness.guard(self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout),
+                                               peer, f"KV transfer {transfer_id}")
             except InvalidArgument as exc:  # a fault between the workers, not in the caller's request
                 raise Unavailable(f"KV transfer {transfer_id} from {req.prefill_worker_id} failed: "
                                   f"{exc.message}") from None

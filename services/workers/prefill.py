@@ -40,7 +40,7 @@ class PrefillActor(EngineWorker):
     async def handle_prefill(self, req: PrefillRequest) -> PrefillReply:
         from services.engine import RequestError
 
-        self.admit()
+        self.admit(req.deadline_s)
         t0 = time.monotonic()
         try:
             result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id)
@@ -49,6 +49,7 @@ class PrefillActor(EngineWorker):
         t1 = time.monotonic()
         descriptor = await self.sender.send(req.transfer, result.kv, scales=result.kv_scales)
         self.num_prefilled += 1
+        self.admission.observe_finished(time.monotonic() - t0, 1)
         return PrefillReply(
             first_token_id=result.first_token_id, kv=descriptor, num_cached_tokens=result.num_cached_tokens,
             first_logprob=result.first_logprob,

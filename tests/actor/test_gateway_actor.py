@@ -85,6 +85,9 @@ class Cluster:
     worker: WorkerActor | None
     client: object
     free_pages: int
+    more_workers: list = dataclasses.field(default_factory=list)
+    buses: dict = dataclasses.field(default_factory=dict)
+    """Each actor's bus by worker id (a test may cut one off the network)."""
 
     @property
     def url(self) -> str:
@@ -110,15 +113,18 @@ async def engine_is_idle(cluster: Cluster, timeout: float = 10.0) -> None:
 
 @contextlib.asynccontextmanager
 async def running(core, engine, worker_config, *, gateway: GatewayConfig | None = None,
-                  router: RouterConfig | None = None, with_router: bool = True, with_worker: bool = True):
+                  router: RouterConfig | None = None, with_router: bool = True, with_worker: bool = True,
+                  more_engines: tuple = ()):
     network = MemoryNetwork()
     actors = []
+    buses = {}
 
     async def start(actor):
         bus = memory_bus(network)
         await actor.start(bus)
         await bind_health(bus, actor)
         actors.append((actor, bus))
+        buses[actor.worker_id] = bus
         return actor
 
     free_pages = engine.block_manager.num_free_pages
@@ -128,11 +134,15 @@ async def running(core, engine, worker_config, *, gateway: GatewayConfig | None 
             if with_router else None
         worker = await start(WorkerActor(worker_config, worker_id="worker-0", engine=engine)) \
             if with_worker else None
+        more = [await start(WorkerActor(worker_config, worker_id=f"worker-{i + 1}", engine=e))
+                for i, e in enumerate(more_engines)]
         gw = await start(GatewayActor(gateway or GatewayConfig(http_port=0), worker_id="gateway-0"))
         if router_actor is not None and worker is not None:
-            await eventually(lambda: "worker-0" in router_actor.router.workers.known_ids(), 5.0, "worker known")
+            ids = {"worker-0", *(w.worker_id for w in more)}
+            await eventually(lambda: ids <= set(router_actor.router.workers.known_ids()), 5.0, "workers known")
         client = memory_bus(network)
-        yield Cluster(gateway=gw, router=router_actor, worker=worker, client=client, free_pages=free_pages)
+        yield Cluster(gateway=gw, router=router_actor, worker=worker, client=client, free_pages=free_pages,
+                      more_workers=more, buses=buses)
         await client.close()
     finally:
         for actor, bus in reversed(actors):
@@ -521,3 +531,118 @@ def _samples(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+# --- deadlines and migration ---------------------------------------------------------------------
+
+
+async def test_a_caller_that_gives_up_without_a_cancel_frees_the_pages(cluster):
+    """A plain NATS client's generate.once times out and sends nothing more: the Kvbus-Timeout it sent
+    is the only word the gateway gets, and it must stop the generation and free the pages."""
+    transport = cluster.client.transport
+    inbox = transport.new_inbox()
+    body = json.dumps({"prompt": PROMPT, "sampling": {"max_tokens": 2000, "ignore_eos": True,
+                                                      "temperature": 0}}).encode()
+    t0 = time.monotonic()
+    await transport.publish(GENERATE_ONCE.template, body,
+                            {"Content-Type": "application/json", "Kvbus-Timeout": "1.0"}, reply=inbox)
+    await eventually(lambda: cluster.worker.engine.num_running == 1, 10.0, "request running")
+    await engine_is_idle(cluster, timeout=10.0)
+    assert time.monotonic() - t0 < 1.0 + 3.0, "the generation outlived its caller's deadline by seconds"
+
+
+async def test_timeout_s_in_the_request_bounds_the_generation(cluster):
+    req = GenerateRequest(prompt=PROMPT, sampling=ENDLESS, timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(errors.Timeout, match="deadline"):
+        await cluster.client.request(GENERATE_ONCE, req, timeout=30)
+    assert time.monotonic() - t0 < 4
+    await engine_is_idle(cluster)
+    with pytest.raises(errors.InvalidArgument, match="timeout_s"):
+        await cluster.client.request(GENERATE_ONCE, GenerateRequest(prompt=PROMPT, timeout_s=0.0), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def second_engine(worker_config):
+    from services.engine import LLMEngine
+
+    return LLMEngine(worker_config.engine_config)
+
+
+def cut_off(bus) -> None:
+    """The process behind ``bus`` stops talking (what SIGSTOP or a SIGKILL looks like from outside)."""
+    async def black_hole(*args, **kwargs) -> None:
+        return None
+
+    bus.transport.publish = black_hole
+
+
+MIGRATE = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+
+
+def assert_same_greedy(want, got_ids: list[int]) -> None:
+    """Token-identical, except at a near-tie of the reference (a recomputed prompt rounds differently)."""
+    if got_ids == want.token_ids:
+        return
+    k = next(k for k, (a, b) in enumerate(zip(want.token_ids, got_ids)) if a != b)
+    top = dict(zip(want.logprobs[k].top_token_ids, want.logprobs[k].top_logprobs))
+    assert got_ids[k] in top and abs(top[want.token_ids[k]] - top[got_ids[k]]) < 1e-3, (k, got_ids, want.token_ids)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_worker_that_dies_mid_stream_is_replaced_without_gap_or_repeat(
+        core, engine, second_engine, worker_config, streamed):
+    [want] = engine.generate_sync([core.encode_batch([LONG_PROMPT], True)[0]], MIGRATE)
+    gateway = GatewayConfig(http_port=0, worker_ttl=1.0)
+    async with running(core, engine, worker_config, gateway=gateway, router=RouterConfig(worker_ttl=1.0),
+                       more_engines=(second_engine,)) as cluster:
+        workers = [cluster.worker, *cluster.more_workers]
+        req = GenerateRequest(prompt=LONG_PROMPT, sampling=MIGRATE)
+        t0 = time.monotonic()
+        if streamed:
+            chunks = []
+            async with cluster.client.stream(GENERATE, req, timeout=60) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == 2:
+                        [victim] = [w for w in workers if w.engine.num_running]
+                        cut_off(cluster.buses[victim.worker_id])
+            token_ids = [t for c in chunks for t in c.token_ids]
+            text = "".join(c.text for c in chunks)
+            usage = chunks[-1].usage
+        else:
+            call = asyncio.create_task(cluster.client.request(GENERATE_ONCE, req, timeout=60))
+            await eventually(lambda: any(w.engine.num_running for w in workers), 10.0, "request running")
+            await asyncio.sleep(0.2)
+            [victim] = [w for w in workers if w.engine.num_running]
+            cut_off(cluster.buses[victim.worker_id])
+            reply = await call
+            token_ids, text, usage = reply.token_ids, reply.text, reply.usage
+        assert time.monotonic() - t0 < 30, "the migration waited for a timeout, not for the heartbeat's silence"
+        assert cluster.gateway.pipeline.num_migrations == 1
+        assert_same_greedy(want, token_ids)
+        assert len(token_ids) == 48 and usage.completion_tokens == 48
+        assert usage.prompt_tokens == len(core.encode_batch([LONG_PROMPT], True)[0])
+        if token_ids == want.token_ids:
+            assert text == want.text
+        # the cut-off worker heard the gateway's cancel: its engine stops and frees its pages
+        await eventually(lambda: not victim.engine.has_unfinished(), 10.0, "the dead worker's request aborted")
+        for w in workers:
+            await eventually(lambda: w.engine.block_manager.num_free_pages == cluster.free_pages, 10.0, "pages free")
+
+
+async def test_migrations_are_bounded_then_unavailable(core, engine, second_engine, worker_config):
+    gateway = GatewayConfig(http_port=0, worker_ttl=1.0, max_migrations=0)
+    async with running(core, engine, worker_config, gateway=gateway, router=RouterConfig(worker_ttl=1.0),
+                       more_engines=(second_engine,)) as cluster:
+        workers = [cluster.worker, *cluster.more_workers]
+        with pytest.raises(errors.Unavailable, match="after 0 migrations"):
+            async with cluster.client.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=ENDLESS),
+                                             timeout=60) as stream:
+                async for _ in stream:
+                    for w in workers:
+                        if w.engine.num_running:
+                            cut_off(cluster.buses[w.worker_id])
+        assert cluster.gateway.pipeline.num_migrations_failed == 1
+        for w in workers:
+            await eventually(lambda: not w.engine.has_unfinished(), 10.0, "aborted")

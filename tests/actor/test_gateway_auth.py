@@ -66,11 +66,13 @@ async def test_v1_needs_a_valid_bearer_key(gateway):
 
 
 async def test_openai_client_with_and_without_the_key(gateway):
-    good = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="sk-two", max_retries=0)
-    assert [m.id for m in (await good.models.list()).data]
-    bad = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="sk-nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as info:
-        await bad.completions.create(model="m", prompt="x", max_tokens=1)
+    # Both clients are closed inside the test: an unclosed one is finalized later, in another
+    # test's event loop, and fails that test with "Event loop is closed".
+    async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="sk-two", max_retries=0) as good:
+        assert [m.id for m in (await good.models.list()).data]
+    async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="sk-nope", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as info:
+            await bad.completions.create(model="m", prompt="x", max_tokens=1)
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -80,6 +81,28 @@ async def test_dead_prefill_worker_falls_back_to_local_prefill(system, reference
     assert decode.receiver.num_expected == 0  # the abandoned transfer was dropped
 
 
+async def test_a_prefill_worker_that_goes_silent_costs_seconds_not_the_transfer_timeout(system, reference):
+    """The prefill worker takes the request and then says nothing more (SIGSTOP, a dead host): the decode
+    worker learns from the missing heartbeats within peer_ttl and prefills locally."""
+    prefill, decode, client = system
+
+    async def black_hole(*args, **kwargs) -> None:
+        return None
+
+    prefill.bus.transport.publish = black_hole  # no reply, no heartbeat from now on
+    t0 = time.monotonic()
+    assert await generate(client, "prefill-0") == reference
+    took = time.monotonic() - t0
+    assert took < decode.config.peer_ttl + 5 < decode.config.transfer_timeout, took
+    assert decode.num_prefill_failures == 1 and decode.num_local_prefills == 1
+    assert decode.receiver.num_expected == 0
+    for _ in range(200):  # the prefill got the cancel: its engine lets the prompt go
+        if all_pages_free(prefill, decode):
+            break
+        await asyncio.sleep(0.05)
+    assert all_pages_free(prefill, decode)
+
+
 async def test_cancel_mid_stream_frees_pages_on_both_workers(system):
     prefill, decode, client = system
     req = WorkerGenerateRequest(request_id="long", prompt_token_ids=PROMPT, prefill_worker_id="prefill-0",
@@ -108,3 +131,4 @@ async def test_full_worker_answers_overloaded(system):
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -70,3 +70,15 @@ def test_malformed_is_invalid_argument(data):
 def test_structs_are_frozen():
     with pytest.raises(AttributeError):
         EncodeRequest(text="a").text = "b"
+
+
+def test_deadline_fields_go_last_and_old_peers_still_decode():
+    """The deadline on the worker hops: last field, default None (a peer from before knows nothing of it)."""
+    from schemas.engine import SamplingParams
+    from schemas.worker import WorkerGenerateRequest
+
+    msg = WorkerGenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams(), deadline_s=2.5)
+    assert encode(msg, Encoding.JSON).endswith(b',"prefill_host_id":null,"deadline_s":2.5}')
+    assert encode(msg, Encoding.MSGPACK).hex().endswith("aa646561646c696e655f73cb4004000000000000")
+    old = b'{"request_id":"r","prompt_token_ids":[1,2],"sampling":{},"prefill_worker_id":null,"stream_interval":1}'
+    assert decode(old, WorkerGenerateRequest, Encoding.JSON).deadline_s is None
