@@ -69,7 +69,7 @@ class ModelDrafter(Drafter):
 
     def __init__(
         self, *, model: str | None, target_dir: str | None = None, device: str = "cpu",
-        kv_cache_memory: float = 0.125, page_size: int = 16, **_ignored,
+        kv_cache_memory: float = 0.125, page_size: int = 16, cost_per_token: float | None = None, **_ignored,
     ):
         from services.models import resolve_model
 
@@ -79,6 +79,8 @@ class ModelDrafter(Drafter):
         if target_dir is not None:
             check_same_tokenizer(Path(target_dir), self.model_dir)
             self.cost_per_token = _param_bytes(self.model_dir) / max(1, _param_bytes(Path(target_dir)))
+        if cost_per_token is not None:  # measured by the caller (or 0 to always draft, for tests)
+            self.cost_per_token = cost_per_token
         self.mc = mc = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)
         weights = load_weights(self.model_dir, mc, torch.float32, device)

@@ -272,13 +272,15 @@ class LLMEngine(AsyncEngineMixin):
             if seq.imported_kv is not None:
                 self._write_imported_pages(seq)
         sampled_seqs, tokens, logprobs = self.runner.run(batch)
+        nd = batch.num_decode
+        verifying = {id(s) for s, n in zip(batch.seqs[:nd], batch.num_new_tokens[:nd]) if n > 1}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.draft_tokens:
+            if id(seq) in verifying:
                 continue  # speculated: computed up to what it accepts (_append_verified)
             seq.num_computed_tokens += n
             self.block_manager.index_computed_pages(seq)
         for seq, toks, lps in zip(sampled_seqs, tokens, logprobs):
-            if seq.draft_tokens:
+            if id(seq) in verifying:
                 outputs.append(self._append_verified(seq, toks, lps))
             else:
                 outputs.append(self._append_token(seq, toks[0], lps[0]))

@@ -139,6 +139,7 @@ class Scheduler:
         # Victims are newer than every sequence already in the batch.
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.draft_tokens, seq.draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

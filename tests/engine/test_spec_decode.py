@@ -297,7 +297,7 @@ class _WrongDrafter(Drafter):
 
 
 def test_adaptive_k_backs_off_a_drafter_that_is_always_wrong(engine, spec_engine, tokenizer):
-    prompt = tokenizer.encode(EXTRA_TEXTS[5])
+    prompt = tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who")
     params = SamplingParams(temperature=0.0, max_tokens=40)
     [plain] = engine.generate_sync([prompt], params)
     spec_engine.set_drafter(_WrongDrafter())
@@ -305,8 +305,8 @@ def test_adaptive_k_backs_off_a_drafter_that_is_always_wrong(engine, spec_engine
         [c] = spec_engine.generate_sync([prompt], params)
     finally:
         spec_engine.set_drafter(NgramDrafter())
-    assert c.token_ids == plain.token_ids
-    assert c.usage.accepted_draft_tokens == 0
+    assert c.token_ids == plain.token_ids and len(c.token_ids) == 40
+    assert c.usage.accepted_draft_tokens == 0 and c.usage.draft_tokens > 0
     # after the first rejections k drops to 0, with a one-token probe every few steps
     assert c.usage.draft_tokens < 4 + 40 // 8 + 4
     _assert_idle(spec_engine)
@@ -317,7 +317,7 @@ def test_stale_proposal_is_discarded(engine, spec_engine, tokenizer):
         def propose(self, rid, k):
             return Proposal(position=self.len[rid] - 1, tokens=[0] * k)
 
-    prompt = tokenizer.encode(EXTRA_TEXTS[6])
+    prompt = tokenizer.encode(EXTRA_TEXTS[1])
     params = SamplingParams(temperature=0.0, max_tokens=12)
     [plain] = engine.generate_sync([prompt], params)
     spec_engine.set_drafter(Stale())
@@ -325,4 +325,51 @@ def test_stale_proposal_is_discarded(engine, spec_engine, tokenizer):
         [c] = spec_engine.generate_sync([prompt], params)
     finally:
         spec_engine.set_drafter(NgramDrafter())
-    assert c.token_ids == plain.token_ids and c.usage.draft_tokens == 0
+    assert c.token_ids == plain.token_ids and len(c.token_ids) == 12 and c.usage.draft_tokens == 0
+
+
+# ---- the scheduler's part (no model) -----------------------------------------------------------
+
+
+def _decoding(sched, n, prompt_len=6):
+    from services.engine.sequence import Sequence
+
+    seqs = [Sequence(f"s{i}", list(range(100 * i, 100 * i + prompt_len)), SamplingParams(max_tokens=50),
+                     max_model_len=1000) for i in range(n)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    for s, k in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += k
+        s.token_ids.append(7)
+    assert all(s.is_decoding for s in seqs)
+    return seqs
+
+
+def test_scheduler_grants_drafts_within_the_row_budget_and_never_preempts_for_them():
+    from services.engine.block_manager import BlockManager
+    from services.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64, max_spec_rows=12)
+    seqs = _decoding(sched, 5)
+    for s in seqs:
+        s.draft_tokens = [1, 2, 3, 4]
+    batch = sched.schedule()
+    assert batch.num_decode == 5 and batch.num_new_tokens == [5, 4, 1, 1, 1]  # 12 rows in all
+    assert [len(s.draft_tokens) for s in seqs] == [4, 3, 0, 0, 0]
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        assert len(s.page_ids) == bm.pages_for(s.num_computed_tokens + n)
+    # speculation off: one row each whatever the drafts
+    sched2 = Scheduler(BlockManager(64, 4), max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64)
+    seqs2 = _decoding(sched2, 2)
+    seqs2[0].draft_tokens = [1, 2]
+    assert sched2.schedule().num_new_tokens == [1, 1]
+    # a pool with one page to spare: drafts shrink to fit it, nobody is preempted
+    bm3 = BlockManager(5, 4)
+    sched3 = Scheduler(bm3, max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64, max_spec_rows=12)
+    a, b = _decoding(sched3, 2, prompt_len=7)  # 8 tokens each in 2 full pages; 1 page free
+    a.draft_tokens = [1] * 8
+    batch = sched3.schedule()
+    assert not batch.preempted and batch.num_new_tokens == [5, 1]
+    assert a.draft_tokens == [1] * 4 and bm3.num_free_pages == 0

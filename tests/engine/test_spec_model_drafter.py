@@ -15,6 +15,9 @@ from tests.engine.conftest import make_engine
 from tests.engine.test_spec_decode import EXTRA_TEXTS, _run_in_groups, twenty_prompts  # noqa: F401 (fixture)
 
 
+ONCE = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
 @pytest.fixture(scope="module")
 def draft_dir(model_dir, tmp_path_factory):
     return write_truncated_model(model_dir, tmp_path_factory.mktemp("draft") / "smol-8l", 8)
@@ -71,14 +74,32 @@ def test_drafter_kv_follows_commits(draft_dir, model_dir, tokenizer):
     assert d.bm.num_used_pages == 0
 
 
+@pytest.mark.timeout(900)
+def test_a_full_copy_drafts_what_the_target_decodes(model_dir, tokenizer, tmp_path):
+    """A draft model with all the target's layers must propose the target's own greedy tokens:
+    its paged KV, catch-up passes and rollbacks are right (acceptance near 1, fp32 near-ties aside)."""
+    full = write_truncated_model(model_dir, tmp_path / "full", json.loads((model_dir / "config.json").read_text())
+                                 ["num_hidden_layers"])
+    eng = make_engine(model_dir, num_speculative_tokens=3)
+    eng.set_drafter(ModelDrafter(model=str(full), target_dir=str(model_dir), cost_per_token=0.0))
+    prompts = [tokenizer.encode(EXTRA_TEXTS[1]), tokenizer.encode(ONCE)]
+    eng.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    st = eng.stats
+    assert st.num_drafted_tokens > 10
+    assert st.num_accepted_tokens >= 0.9 * st.num_drafted_tokens, (st.num_accepted_tokens, st.num_drafted_tokens)
+    assert eng.drafter.bm.num_used_pages == 0
+
+
 @pytest.mark.timeout(1500)
 def test_greedy_identical_with_model_drafter_for_twenty_prompts(engine, draft_dir, twenty_prompts):
     eng = make_engine(engine.model_dir, speculative_method="model", draft_model=str(draft_dir),
                       num_speculative_tokens=3)
+    # always draft 3 (cost 0): most drafts of an 8-layer cut are rejected, which is what this exercises
+    eng.set_drafter(ModelDrafter(model=str(draft_dir), target_dir=str(engine.model_dir), cost_per_token=0.0))
     params = SamplingParams(temperature=0.0, max_tokens=16)
     plain = _run_in_groups(engine, twenty_prompts, params)
     spec = _run_in_groups(eng, twenty_prompts, params)
     assert [i for i, (a, b) in enumerate(zip(plain, spec)) if a.token_ids != b.token_ids] == []
-    assert eng.stats.num_accepted_tokens > 20
+    assert eng.stats.num_drafted_tokens > 100 and eng.stats.num_accepted_tokens > 0
     assert not eng.has_unfinished() and eng.block_manager.num_used_pages == 0
     assert eng.drafter.bm.num_used_pages == 0  # every request closed its draft KV
