@@ -36,14 +36,14 @@ from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_pool import KVPool
-from services.engine.linear import NATIVE_MAX_ROWS, can_prepack, prepack_weights
+from services.engine.linear import can_prepack, prepack_weights
 from services.engine.llama import LlamaModel
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
-from services.engine.spec_decode import EMA_WEIGHT, INITIAL_ACCEPTANCE, PROBE_INTERVAL, choose_k
+from services.engine.spec_decode import EMA_WEIGHT, INITIAL_ACCEPTANCE, PROBE_INTERVAL, SPEC_MAX_ROWS, choose_k
 from services.engine.tier_hooks import CacheTierHooks
 from services.engine.weights import load_weights
 
@@ -91,7 +91,7 @@ class LLMEngine(AsyncEngineMixin):
             max_prefill_tokens=config.max_prefill_tokens,
             chunked_prefill_size=config.chunked_prefill_size,
             enable_mixed_batches=config.enable_mixed_batches,
-            max_spec_rows=NATIVE_MAX_ROWS if config.speculative_method else 0,
+            max_spec_rows=SPEC_MAX_ROWS if config.speculative_method else 0,
         )
         self.model = LlamaModel(mc, weights, self.kv_pool, self.max_model_len)
         self.runner = ModelRunner(self.model, config.page_size, self.device)
@@ -129,7 +129,7 @@ class LLMEngine(AsyncEngineMixin):
         """Use ``drafter`` (a services.draft.base.Drafter) for speculation; None turns it off.
         Call while the engine is idle."""
         self.drafter = drafter
-        self.scheduler.max_spec_rows = NATIVE_MAX_ROWS if drafter is not None else 0
+        self.scheduler.max_spec_rows = SPEC_MAX_ROWS if drafter is not None else 0
 
     # ---- requests -------------------------------------------------------
 

@@ -16,10 +16,10 @@ Policy, each step:
 
 Speculative decoding: a decoding sequence that carries drafted tokens gets
 1 + k decode rows (its last token and the drafts), within ``max_spec_rows``
-decode rows for the whole step (linear.NATIVE_MAX_ROWS: up to there a decode
-step costs about what one row does, so the drafts ride along; past it they
-would cost real compute). Drafts never preempt anyone: a sequence whose drafts
-need a page that is not free runs its one plain row.
+decode rows for the whole step (spec_decode.SPEC_MAX_ROWS: while a decode step
+stays that small it costs little more than one row does, so the drafts ride
+along; past it they cost real compute). Drafts never preempt anyone: a sequence
+whose drafts need a page that is not free runs its one plain row.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ is batched with and whatever the drafter proposed at other positions.
 Adaptive k (:func:`choose_k`): the j-th draft of a step pays off with probability
 a^j (a: the sequence's moving-average acceptance rate) and costs one verification
 row plus the drafter's time per token; k is the largest count whose last draft is
-still worth its cost, at most ``num_speculative_tokens``.
+still worth its cost, at most ``num_speculative_tokens``. The scheduler keeps a
+step's decode rows within ``SPEC_MAX_ROWS``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ from kernels import filter_logits, mix_seed
 from kernels.sampling import GREEDY_EPS
 from schemas.engine import SamplingParams
 
-ROW_COST = 0.03
-"""Cost of one verification row as a share of a decode step while the step's rows stay within
-the packed kernel (linear.NATIVE_MAX_ROWS): the weights are streamed once whatever the row count,
-so a row costs its attention and sampling, a few percent of a step."""
+ROW_COST = 0.05
+"""Cost of one verification row as a share of a one-row decode step. Measured on the 2-core dev VM
+(SmolLM2-135M fp32, one sequence): 1 row 25.0 ms, 3 rows 28.6, 5 rows 29.9, 9 rows 41.2, 12 rows
+59.7: the packed kernel reads the weights once whatever the row count, so up to ~5 rows a row
+costs 4-7% of a step, past 8 the rows start to cost compute (9-13% each)."""
+
+SPEC_MAX_ROWS = 8
+"""Most decode rows (plain rows + drafts) of a step with drafts: past it a draft row costs more than
+a typical acceptance rate pays back (see ROW_COST), and past linear.NATIVE_MAX_ROWS = 12 the step
+would leave the packed kernel altogether."""
 
 EMA_WEIGHT = 0.3
 """Weight of the newest step's acceptance rate in the moving average."""
