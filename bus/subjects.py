@@ -19,6 +19,7 @@ from schemas.common import (
     HealthReply,
     HealthRequest,
 )
+from schemas.draft import DraftCloseEvent, DraftProposeReply, DraftProposeRequest
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.transfer import KVChunkEvent
 from schemas.worker import (
@@ -210,6 +211,23 @@ KV_CHUNK = Subject(
     KVChunkEvent,
     None,
     "KV pages in chunks to a receiving worker (nats transfer backend).",
+    encoding=Encoding.MSGPACK,
+)
+
+# --- draft service (speculative decoding) -----------------------------------------------
+DRAFT_PROPOSE = Subject(
+    f"{PREFIX}.draft.propose",
+    DraftProposeRequest,
+    DraftProposeReply,
+    "Draft tokens for a decode worker's sequences (their new tokens in, proposals out); batched by the service.",
+    queue="draft",
+    encoding=Encoding.MSGPACK,
+)
+DRAFT_CLOSE = Subject(
+    f"{PREFIX}.draft.close",
+    DraftCloseEvent,
+    None,
+    "Requests that finished: every draft replica drops their streams.",
     encoding=Encoding.MSGPACK,
 )
 

@@ -107,6 +107,13 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
+    # speculative decoding (zero when it is off)
+    draft_tokens: int = 0
+    """Tokens the drafter proposed and the target verified."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones the target accepted."""
+    mean_accepted_length: float = 0.0
+    """Tokens appended per verification step (accepted drafts + the target's own), 0 without one."""
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):

@@ -271,6 +271,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
             roles["prefill"] = [f"prefill-{i}" for i in range(args.prefill or 1)]
             roles["decode"] = [f"decode-{i}" for i in range(args.decode or 1)]
         roles["gateway"] = ["gateway-0"]
+        if getattr(args, "speculative", None) and args.draft_placement == "remote":
+            roles["draft"] = ["draft-0"]
     engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
     placement = split_cores(usable_cores(), engines, args.share_cores)
     py = sys.executable
@@ -288,6 +290,16 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                          "--num-threads", str(args.num_threads or threads), *shlex.split(args.engine_args)]
                 if role != "worker":
                     argv += ["--kv-transfer", args.kv_transfer]
+                if getattr(args, "speculative", None) and role != "prefill":
+                    argv += ["--speculative-method", args.speculative, "--draft-placement", args.draft_placement,
+                             "--num-speculative-tokens", str(args.num_speculative_tokens)]
+                    if args.draft_model:
+                        argv += ["--draft-model", args.draft_model]
+            if role == "draft":
+                argv += ["--model", str(model_dir), "--speculative-method", args.speculative,
+                         "--num-speculative-tokens", str(args.num_speculative_tokens)]
+                if args.draft_model:
+                    argv += ["--draft-model", args.draft_model]
             if role == "gateway":
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
                 if args.api_key_file:  # keys themselves travel in KVBUS_API_KEY (inherited), never in argv
@@ -420,6 +432,12 @@ def up_main(argv: list[str]) -> int:
                              "the CPU's bf16 instructions through oneDNN where it has them)")
     parser.add_argument("--engine-args", default="",
                         help="more options for every engine worker, e.g. \"--max-running-requests 8 --page-size 32\"")
+    parser.add_argument("--speculative", choices=["ngram", "model"], default=None,
+                        help="speculative decoding on the decode (or aggregated) workers with this drafter")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens drafted per step")
+    parser.add_argument("--draft-model", default=None, help="--speculative model: local HF folder of the draft model")
+    parser.add_argument("--draft-placement", choices=["local", "remote"], default="local",
+                        help="local: drafter inside each worker; remote: one draft service (kvbus serve draft) shared by the workers")
     parser.add_argument("--http-host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--api-key-file", default=None,

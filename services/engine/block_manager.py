@@ -171,6 +171,14 @@ class BlockManager:
         for _ in range(self.num_pages_needed(seq, num_tokens)):
             seq.page_ids.append(self._take_free_page())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s pages past the first ``num_tokens`` tokens (speculative decoding's
+        rollback of rejected drafts: those pages are private, unindexed, and go back free)."""
+        keep = self.pages_for(num_tokens)
+        assert keep >= seq.num_indexed_pages, f"{seq}: truncating indexed pages"
+        while len(seq.page_ids) > keep:
+            self._unref(seq.page_ids.pop())
+
     # ---- indexing --------------------------------------------------------
 
     def index_computed_pages(self, seq: Sequence) -> None:

@@ -77,6 +77,21 @@ class EngineConfig:
     load_tokenizer: bool = True
     """Load the model's tokenizer for text prompts, streamed text and stop strings."""
 
+    speculative_method: str | None = None
+    """Speculative decoding's drafter: ngram (prompt lookup) or model (draft_model); None: off."""
+
+    num_speculative_tokens: int = 4
+    """Most tokens drafted per sequence and step; adaptive k drafts fewer when acceptance is low."""
+
+    draft_model: str | None = None
+    """speculative_method=model: local HF folder of a small model sharing the target's tokenizer."""
+
+    ngram_min: int = 2
+    """speculative_method=ngram: shortest context tail looked up in the request's tokens."""
+
+    ngram_max: int = 4
+    """speculative_method=ngram: longest context tail looked up in the request's tokens."""
+
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
             raise ConfigError(f"EngineConfig.{field}: {why}, got {getattr(self, field)!r}")
@@ -105,6 +120,14 @@ class EngineConfig:
             bad("chunked_prefill_size", "must be >= 0 (0 = no chunking)")
         if self.num_threads < 0:
             bad("num_threads", "must be >= 0")
+        if self.speculative_method not in (None, "ngram", "model"):
+            bad("speculative_method", "must be ngram or model (or unset)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", "must be in [1, 16]")
+        if self.speculative_method == "model" and not self.draft_model:
+            bad("draft_model", "is needed with speculative_method=model")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            bad("ngram_min", "must be in [1, ngram_max]")
 
     @property
     def effective_mem_fraction(self) -> float:

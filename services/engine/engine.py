@@ -44,6 +44,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
+from services.engine.spec_decode import EMA_WEIGHT, INITIAL_ACCEPTANCE, PROBE_INTERVAL, SPEC_MAX_ROWS, choose_k
 from services.engine.tier_hooks import CacheTierHooks
 from services.engine.weights import load_weights
 
@@ -91,10 +92,12 @@ class LLMEngine(AsyncEngineMixin):
             max_prefill_tokens=config.max_prefill_tokens,
             chunked_prefill_size=config.chunked_prefill_size,
             enable_mixed_batches=config.enable_mixed_batches,
+            max_spec_rows=SPEC_MAX_ROWS if config.speculative_method else 0,
         )
         self.model = LlamaModel(mc, weights, self.kv_pool, self.max_model_len)
         self.runner = ModelRunner(self.model, config.page_size, self.device)
         self.tokenizer = self._load_tokenizer() if config.load_tokenizer else None
+        self.drafter = self._make_drafter() if config.speculative_method else None
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.stats = EngineStats()
         self._mailbox: deque[tuple[str, object]] = deque()
@@ -113,6 +116,21 @@ class LLMEngine(AsyncEngineMixin):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+
+    def _make_drafter(self):
+        from services.draft.base import make_drafter
+
+        c = self.config
+        return make_drafter(
+            c.speculative_method, min_n=c.ngram_min, max_n=c.ngram_max, model=c.draft_model,
+            target_dir=str(self.model_dir), device=c.device,
+        )
+
+    def set_drafter(self, drafter) -> None:
+        """Use ``drafter`` (a services.draft.base.Drafter) for speculation; None turns it off.
+        Call while the engine is idle."""
+        self.drafter = drafter
+        self.scheduler.max_spec_rows = SPEC_MAX_ROWS if drafter is not None else 0
 
     # ---- requests -------------------------------------------------------
 
@@ -244,6 +262,8 @@ class LLMEngine(AsyncEngineMixin):
             self._claim_sync()
         t0 = time.perf_counter()
         outputs = self._drain_mailbox()
+        if self.drafter is not None:
+            self._draft()
         batch = self.scheduler.schedule()
         for seq in batch.out_of_pages:
             outputs.append(self._finish(seq, "length", []))
@@ -253,15 +273,22 @@ class LLMEngine(AsyncEngineMixin):
             if seq.imported_kv is not None:
                 self._write_imported_pages(seq)
         sampled_seqs, tokens, logprobs, errors = self.runner.run(batch)
+        nd = batch.num_decode
+        verifying = {id(s) for s, n in zip(batch.seqs[:nd], batch.num_new_tokens[:nd]) if n > 1}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if id(seq) in verifying:
+                continue  # speculated: computed up to what it accepts (_append_verified)
             seq.num_computed_tokens += n
             self.block_manager.index_computed_pages(seq)
-        for i, (seq, token, lp) in enumerate(zip(sampled_seqs, tokens, logprobs)):
+        for i, (seq, toks, lps) in enumerate(zip(sampled_seqs, tokens, logprobs)):
             if i in errors:
                 outputs.append(self._fail(seq, errors[i]))
                 continue
             try:
-                outputs.append(self._append_token(seq, token, lp))
+                if id(seq) in verifying:
+                    outputs.append(self._append_verified(seq, toks, lps))
+                else:
+                    outputs.append(self._append_token(seq, toks[0], lps[0]))
             except Exception:  # e.g. the detokenizer: this request fails alone, the batch goes on
                 log.exception("request %s failed after its token was sampled", seq.request_id)
                 outputs.append(self._fail(seq, "internal error finishing this request's step"))
@@ -272,6 +299,86 @@ class LLMEngine(AsyncEngineMixin):
         st.num_prefill_tokens += sum(batch.num_new_tokens[batch.num_decode :])
         st.step_seconds += time.perf_counter() - t0
         return outputs
+
+    # ---- speculative decoding (docs/speculative.md) --------------------------
+
+    def _draft(self) -> None:
+        """Ask the drafter for every decoding sequence's drafts, k chosen per sequence."""
+        t0 = time.perf_counter()
+        decoding = [s for s in self.scheduler.running if s.is_decoding]
+        for seq in decoding:
+            seq.draft_tokens, seq.draft_probs = [], None
+        if len(decoding) >= self.scheduler.max_spec_rows:
+            return  # no spare decode rows: speculation would cost more than it saves
+        drafter = self.drafter
+        wants: dict[str, int] = {}
+        for seq in decoding:
+            k = self._spec_k(seq)
+            if k:
+                if not drafter.has(seq.request_id):
+                    drafter.open(seq.request_id, seq.token_ids)
+                wants[seq.request_id] = k
+        if not wants:
+            return
+        proposals = drafter.propose_many(wants)
+        for seq in decoding:
+            prop = proposals.get(seq.request_id)
+            if prop is not None and prop.position == seq.num_tokens and prop.tokens:
+                k = wants[seq.request_id]
+                seq.draft_tokens = list(prop.tokens[:k])
+                seq.draft_probs = prop.probs
+        self.stats.draft_seconds += time.perf_counter() - t0
+
+    def _spec_k(self, seq: Sequence) -> int:
+        rate = seq.spec_acceptance if seq.spec_acceptance >= 0 else INITIAL_ACCEPTANCE
+        k = choose_k(rate, self.config.num_speculative_tokens, self.drafter.cost_per_token)
+        if k == 0:
+            seq.spec_idle_steps += 1
+            if seq.spec_idle_steps >= PROBE_INTERVAL:
+                seq.spec_idle_steps, k = 0, 1
+        return k
+
+    def _append_verified(self, seq: Sequence, tokens: list[int], lps: list) -> RequestOutput:
+        """Append a speculating sequence's verified tokens one by one (a stop drops the rest),
+        then roll its KV back to them: computed up to the last one, pages past it freed,
+        only pages full of accepted tokens indexed."""
+        drafted, accepted = len(seq.draft_tokens), len(tokens) - 1
+        seq.draft_tokens, seq.draft_probs = [], None
+        seq.num_drafted_tokens += drafted
+        seq.num_accepted_tokens += accepted
+        seq.num_spec_steps += 1
+        rate = accepted / drafted
+        prev = seq.spec_acceptance
+        seq.spec_acceptance = rate if prev < 0 else (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * rate
+        st = self.stats
+        st.num_drafted_tokens += drafted
+        st.num_accepted_tokens += accepted
+        st.num_spec_steps += 1
+        st.accepted_length_counts[accepted] = st.accepted_length_counts.get(accepted, 0) + 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        kept: list[int] = []
+        reason: FinishReason | None = None
+        for token in tokens:
+            seq.token_ids.append(token)
+            kept.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        self.block_manager.index_computed_pages(seq)
+        out_lps = [lp for lp in lps[: len(kept)] if lp is not None] or None
+        if reason is not None:
+            return self._finish(seq, reason, kept, out_lps)
+        if self.drafter is not None and self.drafter.has(seq.request_id):
+            self.drafter.commit(seq.request_id, kept)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=kept,
+            new_text=seq.detok.take(False) if seq.detok is not None else "",
+            logprobs=out_lps,
+        )
 
     def _drain_mailbox(self) -> list[RequestOutput]:
         outputs = []
@@ -317,16 +424,12 @@ class LLMEngine(AsyncEngineMixin):
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        reason: FinishReason | None = None
-        if token in seq.stop_token_ids:
-            reason = "stop"
-        elif seq.detok is not None and seq.detok.add(token):
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.max_output_tokens:
-            reason = "length"
+        reason = self._stop_reason(seq, token)
         lps = [lp] if lp is not None else None
         if reason is not None:
             return self._finish(seq, reason, [token], lps)
+        if self.drafter is not None and self.drafter.has(seq.request_id):
+            self.drafter.commit(seq.request_id, [token])
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
@@ -334,12 +437,25 @@ class LLMEngine(AsyncEngineMixin):
             logprobs=lps,
         )
 
+    @staticmethod
+    def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
+        """Why ``seq`` stops after its newly appended ``token``, if it does."""
+        if token in seq.stop_token_ids:
+            return "stop"
+        if seq.detok is not None and seq.detok.add(token):
+            return "stop"
+        if seq.num_output_tokens >= seq.max_output_tokens:
+            return "length"
+        return None
+
     def _finish(
         self, seq: Sequence, reason: FinishReason, new_ids: list[int], lps: list[TokenLogprob] | None = None
     ) -> RequestOutput:
         if seq.is_prefill_only and new_ids and seq.page_ids:
             self._export_prompt_pages(seq, new_ids[0], lps[0] if lps else None)
         self.scheduler.remove(seq)
+        if self.drafter is not None:
+            self.drafter.close(seq.request_id)
         seq.finish_reason = reason
         self._seqs.pop(seq.request_id, None)
         with self._lock:
@@ -368,6 +484,11 @@ class LLMEngine(AsyncEngineMixin):
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens,
             completion_tokens=seq.num_output_tokens,
+            draft_tokens=seq.num_drafted_tokens,
+            accepted_draft_tokens=seq.num_accepted_tokens,
+            mean_accepted_length=(
+                (seq.num_accepted_tokens + seq.num_spec_steps) / seq.num_spec_steps if seq.num_spec_steps else 0.0
+            ),
         )
 
     # ---- run to completion ----------------------------------------------

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from kernels import compute_logprobs
 from schemas.engine import TokenLogprob
 from services.engine.llama import AttentionMetadata, LlamaModel
 from services.engine.sampling import sample_tokens
+from services.engine.spec_decode import verify
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -37,17 +42,24 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=nd)  # type: ignore[arg-type]
         if nd:
+            # A speculating sequence's drafts are decode rows too, each sharing its block
+            # table with the causal length of its position: the same kernels as plain decode
+            # (row by row the same arithmetic, so greedy output is unchanged).
             decode = batch.seqs[:nd]
-            seq_lens = []
-            for row, seq in enumerate(decode):
+            seq_lens, tables = [], []
+            for seq, n in zip(decode, batch.num_new_tokens[:nd]):
                 p = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[p])
-                positions.append(p)
-                slots.append(seq.page_ids[p // ps] * ps + p % ps)
-                seq_lens.append(p + 1)
-                sampling_rows.append(row)
+                ids = [seq.token_ids[p], *seq.draft_tokens[: n - 1]]
+                for j in range(n):
+                    input_ids.append(ids[j])
+                    positions.append(p + j)
+                    slots.append(seq.page_ids[(p + j) // ps] * ps + (p + j) % ps)
+                    seq_lens.append(p + j + 1)
+                    sampling_rows.append(len(sampling_rows))
+                    tables.append(seq.page_ids)
+            nd = meta.num_decode_tokens = len(input_ids)
             sampling_seqs.extend(decode)
-            meta.decode_block_tables = _block_table([s.page_ids for s in decode], dev)
+            meta.decode_block_tables = _block_table(tables, dev)
             meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         if nd < len(batch.seqs):
             prefill = batch.seqs[nd:]
@@ -76,14 +88,60 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch
-    ) -> tuple[list[Sequence], list[int | None], list[TokenLogprob | None], dict[int, str]]:
-        """Forward the batch; returns the sequences that sampled, their tokens and logprobs, and
-        the rows the sampler could not serve (token None; reason by row)."""
+    ) -> tuple[list[Sequence], list[list[int]], list[list[TokenLogprob | None]], dict[int, str]]:
+        """Forward the batch; returns the sequences that sampled and, for each, the tokens to
+        append (one; or, when it verified drafts, the accepted ones plus the target's next)
+        and their logprobs, and the rows the sampler could not serve (no tokens; reason by row)."""
         ids, pos, meta, rows, sampling_seqs = self.prepare(batch)
         t0 = time.perf_counter()
         logits = self.model.forward(ids, pos, meta, rows)  # [N, V]; N = 0 when only chunks ran
         self.last_forward_seconds = time.perf_counter() - t0
         if not sampling_seqs:
             return [], [], [], {}
-        tokens, logprobs, errors = sample_tokens(logits, sampling_seqs)
-        return sampling_seqs, tokens, logprobs, errors
+        nd = batch.num_decode
+        counts = batch.num_new_tokens[:nd] + [1] * (len(sampling_seqs) - nd)
+        if all(c == 1 for c in counts):
+            tokens, logprobs, errors = sample_tokens(logits, sampling_seqs)
+            return sampling_seqs, [[t] for t in tokens], [[lp] for lp in logprobs], errors
+        # Speculative step: plain rows sample together; each verifying sequence on its rows.
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        out_tokens: list[list[int]] = [[] for _ in sampling_seqs]
+        out_lps: list[list[TokenLogprob | None]] = [[] for _ in sampling_seqs]
+        errors: dict[int, str] = {}
+        if plain:
+            idx = torch.tensor([starts[i] for i in plain], dtype=torch.int64, device=logits.device)
+            tokens, logprobs, plain_errors = sample_tokens(logits[idx], [sampling_seqs[i] for i in plain])
+            for j, (i, t, lp) in enumerate(zip(plain, tokens, logprobs)):
+                out_tokens[i], out_lps[i] = [t], [lp]
+                if j in plain_errors:
+                    errors[i] = plain_errors[j]
+        for i, c in enumerate(counts):
+            if c == 1:
+                continue
+            seq = sampling_seqs[i]
+            rows_i = logits[starts[i] : starts[i + 1]]
+            q = seq.draft_probs[: c - 1] if seq.draft_probs is not None else None
+            try:
+                toks = verify(rows_i, seq.draft_tokens[: c - 1], q, seq.params, seq.num_output_tokens)
+                out_lps[i] = self._logprobs(rows_i[: len(toks)], toks, seq)
+            except Exception:  # this request fails alone; the batch goes on
+                log.exception("verifying the drafts of request %s failed", seq.request_id)
+                errors[i] = "the sampler failed for this request's parameters"
+                continue
+            out_tokens[i] = toks
+        return sampling_seqs, out_tokens, out_lps, errors
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], seq: Sequence) -> list[TokenLogprob | None]:
+        n = seq.params.logprobs
+        if n is None:
+            return [None] * len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        chosen, top_ids, top_lps = (t.tolist() for t in compute_logprobs(logits, ids, n))
+        return [
+            TokenLogprob(token_id=t, logprob=chosen[j], top_token_ids=top_ids[j][:n], top_logprobs=top_lps[j][:n])
+            for j, t in enumerate(tokens)
+        ]

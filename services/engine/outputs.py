@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,16 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # speculative decoding
+    num_spec_steps: int = 0  # sequence-steps that verified drafts
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_seconds: float = 0.0  # in the drafter (in-process drafting), inside step_seconds
+    accepted_length_counts: dict[int, int] = field(default_factory=dict)  # accepted drafts -> sequence-steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else 0.0
 
     @property
     def overhead_share(self) -> float:

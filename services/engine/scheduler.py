@@ -13,6 +13,13 @@ Policy, each step:
    prefix pages are shared, not copied), so prefill never runs out of pages
    halfway. At most ``chunked_prefill_size`` tokens of one prompt per step.
 3. With mixed batches off, a step that has prefill work runs only prefill.
+
+Speculative decoding: a decoding sequence that carries drafted tokens gets
+1 + k decode rows (its last token and the drafts), within ``max_spec_rows``
+decode rows for the whole step (spec_decode.SPEC_MAX_ROWS: while a decode step
+stays that small it costs little more than one row does, so the drafts ride
+along; past it they cost real compute). Drafts never preempt anyone: a sequence
+whose drafts need a page that is not free runs its one plain row.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from services.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step: the first ``num_decode`` decode one token each."""
+    """Sequences of one step: the first ``num_decode`` decode (one row each, 1 + k when speculating)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -52,12 +59,14 @@ class Scheduler:
         max_prefill_tokens: int,
         chunked_prefill_size: int,
         enable_mixed_batches: bool = True,
+        max_spec_rows: int = 0,
     ):
         self.bm = block_manager
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
         self.enable_mixed_batches = enable_mixed_batches
+        self.max_spec_rows = max_spec_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -90,14 +99,28 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self, batch: ScheduledBatch) -> None:
+        spare_rows = self.max_spec_rows - sum(1 for s in self.running if s.is_decoding)
         for seq in list(self.running):  # admission order; victims come from the end
             if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
                 continue
             if self._make_room(seq, batch):
-                self.bm.grow(seq, seq.num_tokens)
+                k = self._num_drafts(seq, spare_rows)
+                spare_rows -= k
+                self.bm.grow(seq, seq.num_tokens + k)
                 batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
+                batch.num_new_tokens.append(1 + k)
         batch.num_decode = len(batch.seqs)
+
+    def _num_drafts(self, seq: Sequence, spare_rows: int) -> int:
+        """Drafted tokens ``seq`` verifies this step (``seq.draft_tokens`` is cut to it)."""
+        k = min(len(seq.draft_tokens), spare_rows, seq.max_output_tokens - seq.num_output_tokens - 1)
+        while k > 0 and not self.bm.can_grow(seq, seq.num_tokens + k):
+            k -= 1
+        k = max(k, 0)
+        del seq.draft_tokens[k:]
+        if k == 0:
+            seq.draft_probs = None
+        return k
 
     def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Free pages for ``seq``'s next token by preempting newer sequences."""
@@ -116,6 +139,7 @@ class Scheduler:
         # Victims are newer than every sequence already in the batch.
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.draft_tokens, seq.draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -59,6 +59,16 @@ class Sequence:
         self.is_prefill_only = False
         self.imported_kv = None  # [pages, layers, 2, page_size, Hkv, D] until written
         self.import_from_page = 0
+        # Speculative decoding (services/engine/spec_decode.py): the drafted tokens for the
+        # positions after the last token, what the drafter drew them from (None: q = 1 on
+        # each), and the per-sequence state of adaptive k.
+        self.draft_tokens: list[int] = []
+        self.draft_probs = None
+        self.spec_acceptance = -1.0  # moving average; < 0 until the first verification
+        self.spec_idle_steps = 0
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_steps = 0
 
     def __repr__(self) -> str:
         return (

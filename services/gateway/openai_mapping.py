@@ -19,6 +19,7 @@ from services.gateway.openai_schemas import (
     ErrorDetail,
     ErrorResponse,
     PromptTokensDetails,
+    SpeculativeUsage,
     TopLogprob,
     UsageInfo,
 )
@@ -156,7 +157,11 @@ def _is_int(value: Any) -> bool:
 def usage_info(usage: Usage) -> UsageInfo:
     return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                      total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+                     kvbus_speculative=SpeculativeUsage(
+                         draft_tokens=usage.draft_tokens, accepted_draft_tokens=usage.accepted_draft_tokens,
+                         mean_accepted_length=usage.mean_accepted_length,
+                     ) if usage.draft_tokens else None)
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], texts: dict[int, str], offset: int = 0) -> CompletionLogprobs:

@@ -120,11 +120,21 @@ class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
 
 
-class UsageInfo(msgspec.Struct, frozen=True, kw_only=True):
+class SpeculativeUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """kvbus extension: speculative decoding's share of the completion."""
+
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    mean_accepted_length: float = 0.0
+
+
+class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    kvbus_speculative: SpeculativeUsage | None = None
+    """Present only when the request was decoded speculatively."""
 
 
 class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):

@@ -49,6 +49,14 @@ class EngineWorker(Actor):
 
     async def start(self, bus) -> None:
         await super().start(bus)
+        c = self.config
+        if c.speculative_method and c.draft_placement == "remote" and self.engine.drafter is None:
+            from services.draft.client import BusDrafter
+
+            self.engine.set_drafter(BusDrafter(
+                bus, asyncio.get_running_loop(), self.worker_id, timeout=c.draft_timeout,
+                cost_per_token=0.0 if c.speculative_method == "ngram" else 0.4,
+            ))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
     async def stop(self) -> None:
@@ -113,9 +121,15 @@ class EngineWorker(Actor):
         if self.engine is None:
             return {}
         load = self.load()
-        return {"running": str(load.num_running), "waiting": str(load.num_waiting),
-                "refused": str(self.admission.num_refused),
-                "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
+        detail = {"running": str(load.num_running), "waiting": str(load.num_waiting),
+                  "refused": str(self.admission.num_refused),
+                  "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
+        st = self.engine.stats
+        if self.engine.drafter is not None:  # speculative decoding
+            detail.update(spec_drafted=str(st.num_drafted_tokens), spec_accepted=str(st.num_accepted_tokens),
+                          spec_acceptance=f"{st.acceptance_rate:.3f}",
+                          spec_draft_share=f"{st.draft_seconds / st.step_seconds if st.step_seconds else 0.0:.3f}")
+        return detail
 
 
 async def coalesce(first: RequestOutput, rest: AsyncIterator[RequestOutput], interval: int,

@@ -35,6 +35,10 @@ class WorkerConfig(EngineConfig):
     """Seconds a KV transfer may take before it is abandoned and its pages freed."""
     host_id: str | None = None
     """Identity of this machine for shared-memory transfer; default: the host name."""
+    draft_placement: str = "local"
+    """With speculative_method: local (the drafter runs in this process, called by the engine) or remote (the draft service, kvbus serve draft)."""
+    draft_timeout: float = 0.05
+    """remote drafting: seconds a step waits for proposals before it decodes plainly (then skips the service for a while)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,10 +50,17 @@ class WorkerConfig(EngineConfig):
             raise ConfigError("WorkerConfig.max_queue_wait and peer_ttl must be > 0")
         if not self.heartbeat_interval > 0 or not self.transfer_timeout > 0:
             raise ConfigError("WorkerConfig.heartbeat_interval and transfer_timeout must be > 0")
+        if self.draft_placement not in ("local", "remote"):
+            raise ConfigError(f"WorkerConfig.draft_placement must be local or remote, got {self.draft_placement!r}")
+        if not self.draft_timeout > 0:
+            raise ConfigError("WorkerConfig.draft_timeout must be > 0")
         if self.kv_transfer not in TRANSFER_BACKENDS:
             raise ConfigError(f"WorkerConfig.kv_transfer must be one of {', '.join(TRANSFER_BACKENDS)}")
 
     @property
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(EngineConfig)}
-        return EngineConfig(**{n: getattr(self, n) for n in names})
+        config = EngineConfig(**{n: getattr(self, n) for n in names})
+        if self.draft_placement == "remote":  # the worker attaches a BusDrafter once on the bus
+            config = config.replace(speculative_method=None)
+        return config

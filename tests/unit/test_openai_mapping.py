@@ -272,3 +272,13 @@ def test_gateway_flags_do_not_clash_with_bus_flags():
                       env={"KVBUS_MAX_CONCURRENT_REQUESTS": "3"})
     assert (built.http_port, built.generate_timeout, built.enable_http, built.max_concurrent_requests) == (0, 5.0,
                                                                                                           False, 3)
+
+
+def test_usage_carries_speculative_extension_only_when_speculating():
+    info = usage_info(Usage(prompt_tokens=10, cached_prompt_tokens=0, completion_tokens=9, draft_tokens=12,
+                            accepted_draft_tokens=6, mean_accepted_length=3.0))
+    wire = msgspec.json.decode(msgspec.json.encode(info))
+    assert wire["kvbus_speculative"] == {"draft_tokens": 12, "accepted_draft_tokens": 6, "mean_accepted_length": 3.0}
+    plain = msgspec.json.decode(msgspec.json.encode(usage_info(Usage(prompt_tokens=1, cached_prompt_tokens=0,
+                                                                     completion_tokens=1))))
+    assert "kvbus_speculative" not in plain

@@ -1,0 +1,1 @@
+"""Speculative decoding's drafters (``ngram``, ``model``) behind one protocol (services.draft.base)."""

@@ -1,0 +1,375 @@
+"""Speculative decoding: the acceptance rule, greedy identity, rollback, stops, seeds, adaptive k."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.engine import SamplingParams
+from services.draft.base import Drafter, Proposal
+from services.draft.ngram import NgramDrafter, lookup
+from services.engine.spec_decode import accept_greedy, accept_sampled, choose_k, target_probs, verify
+from tests.engine.conftest import make_engine
+
+# ---- the acceptance rule on its own -------------------------------------------------------
+
+
+def _tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+@pytest.mark.parametrize("draft_kind", ["model_q", "ngram_right", "ngram_wrong", "model_q_far"])
+def test_rejection_sampling_follows_the_target_distribution(draft_kind):
+    """Every token the verifier emits is distributed as the target's p, whatever q proposed
+    (as vLLM tests its rejection sampler): first token, and the next one after an acceptance."""
+    torch.manual_seed(1234)
+    rng = np.random.default_rng(7)
+    vocab, n = 6, 30000
+    params = SamplingParams(temperature=0.8, max_tokens=8)
+    logits = torch.tensor([[1.0, 0.5, 0.2, -0.3, -1.0, 0.9], [0.1, 1.4, -0.5, 0.3, 0.0, -2.0]])
+    p = target_probs(logits, params)  # [2, V]
+    if draft_kind == "model_q":
+        q = torch.softmax(torch.tensor([[0.3, 0.3, 1.0, 0.0, -0.5, 0.2]]), dim=-1)
+    elif draft_kind == "model_q_far":  # a drafter that mostly proposes what p rarely draws
+        q = torch.softmax(torch.tensor([[-3.0, -3.0, -3.0, 2.0, 3.0, -3.0]]), dim=-1)
+    else:
+        q = None
+    first = np.zeros(vocab)
+    second = np.zeros(vocab)
+    for _ in range(n):
+        if q is not None:
+            d = int(rng.choice(vocab, p=q[0].double().numpy() / q[0].double().sum().item()))
+        else:  # n-gram: the same proposal every time, q = 1 on it
+            d = 0 if draft_kind == "ngram_right" else 4
+        out = accept_sampled(p, [d], q, params, first_offset=0)
+        assert 1 <= len(out) <= 2
+        first[out[0]] += 1
+        if len(out) == 2:
+            second[out[1]] += 1
+    p_np = p.double().numpy()
+    assert _tv(first, p_np[0]) < 0.02, (first / n, p_np[0])
+    if second.sum() > 2000:
+        assert _tv(second, p_np[1]) < 0.03
+
+
+def test_target_probs_is_the_plain_samplers_distribution():
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9, max_tokens=4)
+    logits = torch.tensor([[2.0, 1.9, 1.0, 0.5, -1.0, 3.0]])
+    p = target_probs(logits, params)[0]
+    assert torch.isclose(p.sum(), torch.tensor(1.0))
+    assert (p[[2, 3, 4]] == 0).all()  # outside top-3 {5, 0, 1}
+    # the same cut drawn many times by the plain sampler never leaves the support
+    from kernels import sample
+
+    torch.manual_seed(0)
+    draws = sample(
+        logits.repeat(2000, 1), torch.full((2000,), 0.7), torch.full((2000,), 3, dtype=torch.int32),
+        torch.full((2000,), 0.9), torch.zeros(2000), torch.full((2000,), -1, dtype=torch.int64),
+        torch.zeros(2000, dtype=torch.int64),
+    )
+    assert set(draws.tolist()) <= {i for i in range(6) if p[i] > 0}
+
+
+def test_greedy_acceptance_is_longest_prefix_plus_target_token():
+    logits = torch.full((4, 10), -5.0)
+    for row, tok in enumerate([3, 7, 2, 9]):
+        logits[row, tok] = 5.0
+    assert accept_greedy(logits, [3, 7, 2]) == [3, 7, 2, 9]
+    assert accept_greedy(logits, [3, 1, 2]) == [3, 7]
+    assert accept_greedy(logits, [0, 7, 2]) == [3]
+    assert verify(logits[:1], [], None, SamplingParams(temperature=0.0), 0) == [3]
+
+
+def test_seeded_verification_is_reproducible():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=8)
+    runs = {tuple(verify(logits, [1, 2, 3], None, params, 5)) for _ in range(5)}
+    assert len(runs) == 1
+
+
+def test_choose_k_follows_the_cost_model():
+    assert choose_k(0.9, 4, 0.0) == 4
+    assert choose_k(0.0, 4, 0.0) == 0
+    assert choose_k(0.5, 8, 0.0) == 4  # 0.5**4 = 0.0625 >= 0.05 > 0.5**5
+    assert choose_k(0.5, 8, 0.2) == 2  # a costly drafter drafts less (0.25 >= 0.25 > 0.125)
+    assert all(choose_k(a / 10, 4, 0.0) <= choose_k((a + 1) / 10, 4, 0.0) for a in range(10))
+
+
+def test_ngram_lookup():
+    stream = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert lookup(stream, 3, 2, 4) == [4, 5, 9]
+    assert lookup(stream, 10, 2, 4) == [4, 5, 9, 1, 2, 3]
+    assert lookup([1, 2, 3], 3, 2, 4) == []
+    assert lookup([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]  # the most recent occurrence
+    d = NgramDrafter(min_n=2, max_n=3)
+    d.open("r", stream)
+    prop = d.propose("r", 2)
+    assert prop == Proposal(position=9, tokens=[4, 5])
+    d.commit("r", [4])
+    assert d.propose("r", 2).position == 10
+    d.close("r")
+    assert d.propose("r", 2) is None
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+_FILE = (
+    "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n        return f.read()\n\n\n"
+    "def main():\n    cfg = read_config(sys.argv[1])\n    print(len(cfg))\n"
+)
+EXTRA_TEXTS = [
+    "Repeat the following code exactly:\n" + _FILE + "\nRepeated:\n",
+    "Here is a list: apple, banana, cherry, date, elderberry, fig, grape. Write the list again: apple,",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Copy this JSON: {\"name\": \"kvbus\", \"version\": 3, \"tags\": [\"a\", \"b\"]}\nCopy:",
+    "Tell me a short story about a robot learning to paint.",
+    "What are the three primary colors?",
+    "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\nSELECT",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(model_dir):
+    return make_engine(model_dir, speculative_method="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def twenty_prompts(prompt_ids, tokenizer):
+    chats = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+        for t in EXTRA_TEXTS[:2]
+    ]
+    prompts = list(prompt_ids) + [tokenizer.encode(t) for t in EXTRA_TEXTS] + chats
+    assert len(prompts) == 20
+    return prompts
+
+
+def _assert_idle(engine):
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_used_pages == 0
+
+
+def _run_in_groups(engine, prompts, params, size=5):
+    out = []
+    for i in range(0, len(prompts), size):
+        out += engine.generate_sync(prompts[i : i + size], params)
+    return out
+
+
+@pytest.mark.timeout(1200)
+def test_greedy_identical_with_ngram_for_twenty_prompts(engine, spec_engine, twenty_prompts):
+    plain = _run_in_groups(engine, twenty_prompts, GREEDY)
+    before = spec_engine.stats.num_accepted_tokens
+    spec = _run_in_groups(spec_engine, twenty_prompts, GREEDY)
+    mismatched = [i for i, (a, b) in enumerate(zip(plain, spec)) if a.token_ids != b.token_ids]
+    assert mismatched == []
+    assert [a.text for a in plain] == [b.text for b in spec]
+    assert [a.finish_reason for a in plain] == [b.finish_reason for b in spec]
+    assert spec_engine.stats.num_accepted_tokens - before > 30  # it really speculated
+    usage = [c.usage for c in spec]
+    assert all(u.accepted_draft_tokens <= u.draft_tokens for u in usage)
+    assert any(u.mean_accepted_length > 1.5 for u in usage)
+    assert all(u.draft_tokens == 0 for u in (c.usage for c in plain))
+    _assert_idle(spec_engine)
+
+
+def test_stops_apply_to_accepted_tokens_one_by_one(engine, spec_engine, tokenizer):
+    prompt = tokenizer.encode(EXTRA_TEXTS[2])  # a repeated sentence: long accepted runs
+    plain = engine.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    # a stop token that falls in the middle of an accepted run, an odd max_tokens, a stop string
+    stop_id = plain.token_ids[9]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[plain.text[20:26]]),
+    ]
+    for params in cases:
+        [a] = engine.generate_sync([prompt], params)
+        [b] = spec_engine.generate_sync([prompt], params)
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), params
+        assert b.usage.completion_tokens == len(b.token_ids)
+    _assert_idle(spec_engine)
+
+
+class _Recorder:
+    """Tier hooks that record what the block manager hands to a lower tier."""
+
+    def __init__(self):
+        self.stored: list[int] = []
+
+    def on_stored(self, page_hash, page_id):
+        self.stored.append(page_hash)
+
+    def on_evict(self, page_hash, page_id):
+        pass
+
+    def lookup(self, page_hashes):
+        return 0
+
+    def load_back(self, page_hashes, page_ids):
+        raise AssertionError("nothing to load")
+
+
+def _trace(engine, prompt, params):
+    """Per token count: (pages held, computed tokens, indexed hashes) after every step."""
+    bm = engine.block_manager
+    engine.add_request("trace", prompt, params)
+    states = {}
+    while engine.has_unfinished():
+        engine.step()
+        seq = engine._seqs.get("trace")
+        if seq is not None and seq.page_ids:
+            states[seq.num_tokens] = (len(seq.page_ids), seq.num_computed_tokens, frozenset(bm.hash_to_page_id))
+    return states
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page_size", [4])
+def test_rollback_leaves_pages_and_prefix_cache_as_a_plain_run(model_dir, tokenizer, page_size):
+    """After every step of a run with rejections, the pages held, the computed length and the
+    prefix cache equal a plain run's at the same length; rejected pages never reach the tier hooks."""
+    eng = make_engine(model_dir, page_size=page_size, speculative_method="ngram", num_speculative_tokens=6)
+    prompt = tokenizer.encode(EXTRA_TEXTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    runs = {}
+    for name in ("plain", "spec"):
+        eng.block_manager.evict_all_cached()
+        eng.block_manager.hooks = rec = _Recorder()
+        eng.set_drafter(NgramDrafter(min_n=1, max_n=3) if name == "spec" else None)
+        before = (eng.stats.num_drafted_tokens, eng.stats.num_accepted_tokens)
+        runs[name] = (_trace(eng, prompt, params), list(rec.stored), frozenset(eng.block_manager.hash_to_page_id))
+        if name == "spec":
+            drafted = eng.stats.num_drafted_tokens - before[0]
+            accepted = eng.stats.num_accepted_tokens - before[1]
+            assert 0 < accepted < drafted  # there were rejections
+        _assert_idle(eng)
+    plain, spec = runs["plain"], runs["spec"]
+    for n, state in spec[0].items():
+        assert state == plain[0][n], n
+    assert sorted(spec[1]) == sorted(plain[1])  # the same pages offered to the lower tier
+    assert spec[2] == plain[2]  # the same prefix cache at the end
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(spec_engine, tokenizer):
+    prompt = tokenizer.encode(EXTRA_TEXTS[2])
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
+    [a] = spec_engine.generate_sync([prompt], params)
+    other = tokenizer.encode(EXTRA_TEXTS[3])
+    b, _ = spec_engine.generate_sync([prompt, other], [params, SamplingParams(temperature=0.0, max_tokens=24)])
+    assert a.token_ids == b.token_ids
+    assert a.usage.draft_tokens > 0
+    _assert_idle(spec_engine)
+
+
+def test_sampled_logprobs_cover_every_emitted_token(spec_engine, tokenizer):
+    prompt = tokenizer.encode(EXTRA_TEXTS[2])
+    [c] = spec_engine.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=20, logprobs=2))
+    assert len(c.logprobs) == 20 and [lp.token_id for lp in c.logprobs] == c.token_ids
+    assert c.usage.accepted_draft_tokens > 0
+
+
+class _WrongDrafter(Drafter):
+    """Always proposes tokens the target would not pick: every step rejects."""
+
+    name = "wrong"
+
+    def __init__(self):
+        self.len: dict[str, int] = {}
+
+    def has(self, rid):
+        return rid in self.len
+
+    def open(self, rid, prompt):
+        self.len[rid] = len(prompt)
+
+    def commit(self, rid, tokens):
+        self.len[rid] += len(tokens)
+
+    def close(self, rid):
+        self.len.pop(rid, None)
+
+    def propose(self, rid, k):
+        return Proposal(position=self.len[rid], tokens=[0] * k)
+
+
+def test_adaptive_k_backs_off_a_drafter_that_is_always_wrong(engine, spec_engine, tokenizer):
+    prompt = tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who")
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    [plain] = engine.generate_sync([prompt], params)
+    spec_engine.set_drafter(_WrongDrafter())
+    try:
+        [c] = spec_engine.generate_sync([prompt], params)
+    finally:
+        spec_engine.set_drafter(NgramDrafter())
+    assert c.token_ids == plain.token_ids and len(c.token_ids) == 40
+    assert c.usage.accepted_draft_tokens == 0 and c.usage.draft_tokens > 0
+    # after the first rejections k drops to 0, with a one-token probe every few steps
+    assert c.usage.draft_tokens < 4 + 40 // 8 + 4
+    _assert_idle(spec_engine)
+
+
+def test_stale_proposal_is_discarded(engine, spec_engine, tokenizer):
+    class Stale(_WrongDrafter):
+        def propose(self, rid, k):
+            return Proposal(position=self.len[rid] - 1, tokens=[0] * k)
+
+    prompt = tokenizer.encode(EXTRA_TEXTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    [plain] = engine.generate_sync([prompt], params)
+    spec_engine.set_drafter(Stale())
+    try:
+        [c] = spec_engine.generate_sync([prompt], params)
+    finally:
+        spec_engine.set_drafter(NgramDrafter())
+    assert c.token_ids == plain.token_ids and len(c.token_ids) == 12 and c.usage.draft_tokens == 0
+
+
+# ---- the scheduler's part (no model) -----------------------------------------------------------
+
+
+def _decoding(sched, n, prompt_len=6):
+    from services.engine.sequence import Sequence
+
+    seqs = [Sequence(f"s{i}", list(range(100 * i, 100 * i + prompt_len)), SamplingParams(max_tokens=50),
+                     max_model_len=1000) for i in range(n)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    for s, k in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += k
+        s.token_ids.append(7)
+    assert all(s.is_decoding for s in seqs)
+    return seqs
+
+
+def test_scheduler_grants_drafts_within_the_row_budget_and_never_preempts_for_them():
+    from services.engine.block_manager import BlockManager
+    from services.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64, max_spec_rows=8)
+    seqs = _decoding(sched, 3)
+    for s in seqs:
+        s.draft_tokens = [1, 2, 3, 4]
+    batch = sched.schedule()
+    assert batch.num_decode == 3 and batch.num_new_tokens == [5, 2, 1]  # 8 rows in all
+    assert [len(s.draft_tokens) for s in seqs] == [4, 1, 0]
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        assert len(s.page_ids) == bm.pages_for(s.num_computed_tokens + n)
+    # speculation off: one row each whatever the drafts
+    sched2 = Scheduler(BlockManager(64, 4), max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64)
+    seqs2 = _decoding(sched2, 2)
+    seqs2[0].draft_tokens = [1, 2]
+    assert sched2.schedule().num_new_tokens == [1, 1]
+    # a pool with one page to spare: drafts shrink to fit it, nobody is preempted
+    bm3 = BlockManager(5, 4)
+    sched3 = Scheduler(bm3, max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64, max_spec_rows=12)
+    a, b = _decoding(sched3, 2, prompt_len=7)  # 8 tokens each in 2 full pages; 1 page free
+    a.draft_tokens = [1] * 8
+    batch = sched3.schedule()
+    assert not batch.preempted and batch.num_new_tokens == [5, 1]
+    assert a.draft_tokens == [1] * 4 and bm3.num_free_pages == 0
