@@ -52,7 +52,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class LLMEngine(AsyncEngineMixin):
-    def __init__(self, config: EngineConfig | None = None, *, tier_hooks: CacheTierHooks | None = None):
+    def __init__(self, config: EngineConfig | None = None, *,
+                 tier_hooks: CacheTierHooks | list[CacheTierHooks] | None = None):
         self.config = config = config or EngineConfig()
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)) or 1)
@@ -84,6 +85,7 @@ class LLMEngine(AsyncEngineMixin):
             num_pages, config.page_size, salt=config.cache_salt,
             enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,
         )
+        self.block_manager.bind(self.kv_pool)
         self.scheduler = Scheduler(
             self.block_manager,
             max_running_requests=config.max_running_requests,
@@ -243,6 +245,7 @@ class LLMEngine(AsyncEngineMixin):
             self._claim_sync()
         t0 = time.perf_counter()
         outputs = self._drain_mailbox()
+        self.block_manager.tier_tick()  # lower cache tiers: reclaim landed copies, start new ones
         batch = self.scheduler.schedule()
         for seq in batch.out_of_pages:
             outputs.append(self._finish(seq, "length", []))
