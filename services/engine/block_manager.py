@@ -317,6 +317,8 @@ class BlockManager:
         page = self.pages[page_id]
         h = page.page_hash
         assert h is not None
+        if page.tier_state == L1_ONLY and self.hooks.wants_write_back(h):
+            self.hooks.write_back_sync(h, page.parent_hash, page.token_ids, page_id)
         self.hooks.on_removed(h, page_id, clean=page.tier_state == CLEAN)
         del self.hash_to_page_id[h]
         page.page_hash = None

@@ -54,6 +54,9 @@ class CacheTierHooks:
         """Start copying a page out, asynchronously. True if started (see :meth:`poll_written`)."""
         return False
 
+    def write_back_sync(self, page_hash: int, parent_hash: int, token_ids: Sequence[int], page_id: int) -> None:
+        """Copy a page out now: it is being evicted before write-back reached it (the pool ran dry)."""
+
     def poll_written(self) -> list[tuple[int, bool]]:
         """``(page_id, ok)`` of copies that finished since the last call; never blocks."""
         return []
@@ -112,6 +115,9 @@ class TierHooksList(CacheTierHooks):
 
     def write_back(self, page_hash, parent_hash, token_ids, page_id) -> bool:
         return self.tier.write_back(page_hash, parent_hash, token_ids, page_id)
+
+    def write_back_sync(self, page_hash, parent_hash, token_ids, page_id) -> None:
+        self.tier.write_back_sync(page_hash, parent_hash, token_ids, page_id)
 
     def poll_written(self):
         return self.tier.poll_written()
