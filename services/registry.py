@@ -11,6 +11,7 @@ ROLES: dict[str, str] = {
     "worker": "services.workers.actor:WorkerActor",
     "prefill": "services.workers.prefill:PrefillActor",
     "decode": "services.workers.decode:DecodeActor",
+    "kv_store": "services.kv_store.actor:KVStoreActor",
 }
 
 

@@ -79,7 +79,7 @@ class HostTierClient(CacheTierHooks):
 
     def attach_request(self) -> dict:
         return dict(owner=self.owner, layout_key=self.layout_key, page_bytes=self.page_bytes,
-                    page_size=self.pool.page_size, pool_bytes=self.pool.num_bytes)
+                    page_size=self.pool.page_size, pool_bytes=self.pool.num_bytes, reset_leases=self.arena is None)
 
     def attach_now(self) -> None:
         """Attach synchronously (local link, or from the worker's event loop)."""

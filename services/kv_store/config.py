@@ -12,7 +12,7 @@ class KVStoreConfig:
     host_id: str | None = None
     """Host this store serves (engines with the same host id map its arena); default: the host name."""
     hicache_ratio: float = 2.0
-    """L2 size as a multiple of the largest engine KV pool that attached (used when hicache_size is unset)."""
+    """L2 size as a multiple of the KV pool of the first engine that attaches (kvbus up gives every engine of a host the same pool); used when hicache_size is unset."""
     hicache_size: float | None = None
     """L2 size in GB; overrides hicache_ratio."""
     memory_reserve: float = 1.0

@@ -24,8 +24,8 @@ class LocalLink:
     def __init__(self, core):
         self.core = core
 
-    def attach(self, *, owner, layout_key, page_bytes, page_size, pool_bytes):
-        arena = self.core.attach(owner, layout_key, page_bytes, page_size, pool_bytes)
+    def attach(self, *, owner, layout_key, page_bytes, page_size, pool_bytes, reset_leases=True):
+        arena = self.core.attach(owner, layout_key, page_bytes, page_size, pool_bytes, reset_leases)
         return arena.name, arena.layout
 
     def lease(self, owner: str, arena_name: str, n: int, done: Callable) -> None:
@@ -64,13 +64,14 @@ class BusLink:
         except RuntimeError:  # the loop is closed: the worker is stopping
             coro.close()
 
-    async def attach_async(self, *, owner, layout_key, page_bytes, page_size, pool_bytes):
+    async def attach_async(self, *, owner, layout_key, page_bytes, page_size, pool_bytes, reset_leases=True):
         from bus.subjects import KV_STORE_ATTACH
         from schemas.kv_store import KVStoreAttachRequest
 
         reply = await self.bus.request(
             KV_STORE_ATTACH, KVStoreAttachRequest(worker_id=owner, layout_key=layout_key, page_bytes=page_bytes,
-                                                  page_size=page_size, pool_bytes=pool_bytes),
+                                                  page_size=page_size, pool_bytes=pool_bytes,
+                                                  reset_leases=reset_leases),
             timeout=self.timeout, host_id=self.host_id)
         self.healthy = True
         return reply.arena_name, ArenaLayout(reply.num_slots, reply.page_bytes, reply.page_size)

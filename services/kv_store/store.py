@@ -71,15 +71,18 @@ class StoreCore:
 
     # ---- engines ---------------------------------------------------------
 
-    def attach(self, owner: str, layout_key: str, page_bytes: int, page_size: int, pool_bytes: int) -> Arena:
-        """Map an engine in; creates the arena for the first one. Releases the owner's old leases."""
+    def attach(self, owner: str, layout_key: str, page_bytes: int, page_size: int, pool_bytes: int,
+               reset_leases: bool = True) -> Arena:
+        """Map an engine in; creates the arena for the first one. ``reset_leases``: the owner starts
+        afresh, so slots it leased before (and may never commit) go back to the free list."""
         with self.lock:
             if self.arena is None:
                 self._create(layout_key, page_bytes, page_size, pool_bytes)
             elif layout_key != self.layout_key or page_bytes != self.arena.layout.page_bytes:
                 raise InvalidArgument(f"kv_store holds pages of layout {self.layout_key!r}; "
                                       f"engine {owner} has {layout_key!r}")
-            self.index.release_owner(owner)
+            if reset_leases:
+                self.index.release_owner(owner)
             return self.arena
 
     def _create(self, layout_key: str, page_bytes: int, page_size: int, pool_bytes: int) -> None:
