@@ -100,16 +100,17 @@ class EngineWorker(Actor):
 
     # --- HiCache and KV events ---------------------------------------------------------
     async def _tier_loop(self) -> None:
-        """Attach to the host's kv_store, and again whenever it stopped answering (a restart
-        brings a new arena; until then the engine serves by recomputing)."""
+        """Attach to the host's kv_store, then check the attachment every interval (one small
+        request): a restarted store has a new arena, which the tier switches to; while none
+        answers the engine serves from pages still mapped (verified) and by recomputing."""
         tier, link = self.tier, self.tier.link
         while True:
-            if not link.healthy or not tier.is_attached:
-                try:
-                    name, layout = await link.attach_async(**tier.attach_request())
-                    tier.use_arena(name, layout)
-                except Exception as exc:
-                    log.debug("kv_store not attached yet: %s", exc)
+            try:
+                name, layout = await link.attach_async(**tier.attach_request())
+                tier.use_arena(name, layout)
+            except Exception as exc:
+                link.healthy = False
+                log.debug("kv_store not attached: %s", exc)
             await asyncio.sleep(self.config.hicache_reconnect_interval)
 
     async def prefetch_tiers(self, prompt_token_ids: list[int]) -> None:

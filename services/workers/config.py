@@ -38,7 +38,7 @@ class WorkerConfig(EngineConfig):
     hicache_min_load_pages: int = 1
     """Fewest host-tier pages worth loading back; shorter runs are recomputed."""
     hicache_reconnect_interval: float = 1.0
-    """Seconds between attempts to (re)attach to the kv_store while it is not answering."""
+    """Seconds between checks of the attachment to the kv_store (a restarted store is re-attached)."""
     hicache_timeout: float = 0.25
     """Seconds the worker waits for the kv_store's lookup before queueing a request anyway (then: recompute)."""
 
