@@ -37,8 +37,9 @@ def page_gb(model_dir):
 
 
 def make_engine(model_dir, page_gb, hooks=None, **kw) -> LLMEngine:
+    kw.setdefault("max_running_requests", 2)
     cfg = EngineConfig(model=str(model_dir), kv_cache_memory=page_gb * NUM_PAGES * 1.001, page_size=PAGE,
-                       load_tokenizer=False, max_running_requests=2, **kw)
+                       load_tokenizer=False, **kw)
     return LLMEngine(cfg, tier_hooks=hooks)
 
 
@@ -104,3 +105,43 @@ def test_a_page_changed_in_l2_is_recomputed_not_served(model_dir, page_gb, refer
     out = run(e1, ps[2], "y")
     assert out.token_ids == ref[2]
     assert c1.stats["loaded_back"] == 0
+
+
+def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core):
+    """200 requests (CI size; the issue asks for 1,000 on a quiet machine: set KVBUS_LEAK_REQUESTS),
+    shared prefixes, seeded random aborts; then every tier's counts add up."""
+    import os
+
+    rng = random.Random(1234)
+    n = int(os.environ.get("KVBUS_LEAK_REQUESTS", "200"))
+    bases = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(5)]
+    client = HostTierClient(LocalLink(core), owner="e1")
+    from services.engine.model_config import ModelConfig
+    import torch
+
+    page_gb = kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
+    engine = make_engine(tiny_model, page_gb, client, max_running_requests=4)
+    live: list[str] = []
+    for i in range(n):
+        base = bases[rng.randrange(len(bases))]
+        prompt = base[: rng.randrange(17, len(base) + 1)] + [rng.randrange(3, 320) for _ in range(rng.randrange(1, 8))]
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=rng.randrange(1, 4), temperature=0.0))
+        live.append(rid)
+        if rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for _ in range(rng.randrange(0, 3)):
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    bm = engine.block_manager
+    bm.wait_for_copies()
+    engine.step()
+    assert engine.num_running == engine.num_waiting == 0
+    assert bm.num_free_pages == bm.num_pages and bm.num_copying == 0
+    assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
+    assert client.stats["written_back"] > 0 and client.stats["loaded_back"] > 0
+    core.index.check()
+    assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
