@@ -24,7 +24,7 @@ class KVStoreConfig:
     hicache_l3_admit_hits: int = 1
     """A page evicted from L2 goes to L3 only if it was hit at least this many times in L2 (0: always)."""
     max_lease: int = 256
-    """Most empty slots one engine may hold for write-back at once."""
+    """Most empty slots one engine may hold for write-back at once (and never more than 1/16 of the arena)."""
 
     def __post_init__(self) -> None:
         if not self.hicache_ratio > 0:

@@ -113,7 +113,9 @@ class StoreCore:
         """Up to ``n`` empty slots for ``owner`` to fill, evicting L2's LRU pages if needed."""
         with self.lock:
             idx = self._need_index()
-            n = max(0, min(n, self.config.max_lease - len(idx.leases.get(owner, ()))))
+            # Leases are bounded by a share of the arena, so promotions and other engines find slots.
+            cap = min(self.config.max_lease, max(1, idx.num_slots // 16))
+            n = max(0, min(n, cap - len(idx.leases.get(owner, ()))))
             out = []
             for _ in range(n):
                 slot = idx.take_free()
@@ -164,7 +166,7 @@ class StoreCore:
             for h in page_hashes:
                 page = self.index.touch(h)
                 if page is None and promote and self.disk is not None and h in self.disk:
-                    page = self._promote(h)
+                    page = self._promote(h, protect={x for x, _ in out})
                     if page is not None:
                         self.counters["hits_disk"] += 1
                 elif page is not None:
@@ -182,7 +184,7 @@ class StoreCore:
                 for h in page_hashes:
                     self.index.touch(h)
 
-    def _promote(self, page_hash: int):
+    def _promote(self, page_hash: int, protect: set[int]):
         got = self.disk.read(page_hash)
         if got is None:
             self.counters["corrupted_disk"] = self.disk.num_corrupted
@@ -190,6 +192,8 @@ class StoreCore:
         parent, tokens, payload = got
         slot = self.index.take_free()
         if slot is None:
+            if next(iter(self.index.stored), None) in protect:  # L2 too small for this chain: stop here
+                return None
             slot = self._evict_one()
             if slot is None:
                 return None

@@ -145,3 +145,37 @@ def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core)
     assert client.stats["written_back"] > 0 and client.stats["loaded_back"] > 0
     core.index.check()
     assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
+
+
+def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(model_dir, page_gb, reference, tmp_path):
+    ps, ref = reference
+    cfg = KVStoreConfig(hicache_size=page_gb * 4, memory_reserve=0.0, hicache_storage_dir=str(tmp_path),
+                        hicache_l3_admit_hits=0)
+    core = StoreCore(cfg)
+    # write_through: pages reach L2 as computed (write_back would leave the last ones in L1 only,
+    # and L1 and L2 are memory: a restart loses them, by design).
+    engine = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1", write_policy="write_through"))
+    for i in range(4):  # 16 pages through 4 L2 slots: the oldest spill to L3
+        assert run(engine, ps[i]).token_ids == ref[i]
+    assert core.counters["spilled_disk"] > 0
+    core.close()
+    restarted = StoreCore(cfg)  # re-indexes the directory on attach
+    client = HostTierClient(LocalLink(restarted), owner="e2")
+    fresh = make_engine(model_dir, page_gb, client)
+    on_disk = set(restarted.disk.pages)
+    from services.engine.page_hash import page_hashes
+
+    hashes = page_hashes(ps[0], PAGE)
+    assert hashes[0] in on_disk
+    out = run(fresh, ps[0])
+    assert out.token_ids == ref[0] and client.stats["loaded_back"] >= 1 and restarted.counters["hits_disk"] >= 1
+    # A corrupted page file is dropped and recomputed, never served.
+    victim = next(h for h in page_hashes(ps[1], PAGE)[:1] if h in restarted.disk)
+    path = restarted.disk.dir / f"{victim:016x}.kvp"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    loaded = client.stats["loaded_back"]
+    assert run(fresh, ps[1]).token_ids == ref[1]
+    assert restarted.disk.num_corrupted == 1 and client.stats["loaded_back"] == loaded
+    restarted.close()
