@@ -156,6 +156,8 @@ class BlockManager:
         seq.page_ids = list(matched)
         seq.num_indexed_pages = len(matched)
         loaded = self._load_from_lower_tier(seq)
+        if not seq.is_admitted_once:
+            seq.num_loaded_tokens = loaded * self.page_size
         num_cached = (len(matched) + loaded) * self.page_size
         while len(seq.page_ids) < self.pages_for(seq.num_tokens):
             seq.page_ids.append(self._take_free_page())
@@ -247,6 +249,8 @@ class BlockManager:
 
     def tier_tick(self) -> None:
         """Once a step: take back pages whose copy landed, start copies of pages near eviction."""
+        if not self.hooks.is_tier:  # nothing below L1: no cost per step
+            return
         self._reclaim(self.hooks.poll_written())
         if self.write_back_window <= 0:
             return

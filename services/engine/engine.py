@@ -354,10 +354,13 @@ class LLMEngine(AsyncEngineMixin):
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
+        host = min(seq.num_loaded_tokens, seq.num_cached_tokens)
         return Usage(
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens,
             completion_tokens=seq.num_output_tokens,
+            cached_tokens_device=seq.num_cached_tokens - host,
+            cached_tokens_host=host,
         )
 
     # ---- run to completion ----------------------------------------------

@@ -92,6 +92,7 @@ class HostTierClient(CacheTierHooks):
         arena = Arena.attach(name, layout)
         # Copies queued for the old arena still complete against it (each job holds its arena).
         self.mirror, self._leased, self.arena = {}, deque(), arena
+        self._refilling = False  # a lease asked of the old store may never be answered
         log.info("HiCache: attached to L2 arena %s (%d slots)", name, layout.num_slots)
         self._refill()
 

@@ -97,6 +97,8 @@ class EngineWorker(Actor):
                 pass
         if self.engine is not None:
             await self.engine.aclose()
+        if self.tier is not None:
+            self.tier.close()  # ends the copy thread after the copies queued
 
     # --- HiCache and KV events ---------------------------------------------------------
     async def _tier_loop(self) -> None:

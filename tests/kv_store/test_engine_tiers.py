@@ -73,8 +73,11 @@ def test_l2_hits_after_l1_eviction_are_identical(model_dir, page_gb, reference, 
     assert again.token_ids == ref[0]
     assert client.stats["loaded_back"] >= 3
     assert again.usage.cached_prompt_tokens >= 3 * PAGE
+    assert again.usage.cached_tokens_host == client.stats["loaded_back"] * PAGE  # loaded by this request only
+    assert again.usage.cached_tokens_device + again.usage.cached_tokens_host == again.usage.cached_prompt_tokens
     hot = run(engine, ps[0], "c0")  # now an L1 hit
     assert hot.token_ids == ref[0]
+    assert hot.usage.cached_tokens_device == 3 * PAGE and hot.usage.cached_tokens_host == 0
     core.index.check()
 
 
@@ -179,3 +182,28 @@ def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(model_dir,
     assert run(fresh, ps[1]).token_ids == ref[1]
     assert restarted.disk.num_corrupted == 1 and client.stats["loaded_back"] == loaded
     restarted.close()
+
+
+@pytest.mark.parametrize("policy,after_first,after_hits", [
+    ("write_back", 0, 0),  # nothing evicted yet: nothing copied
+    ("write_through", 4, 4),  # every page as computed (the 4th fills while decoding)
+    ("write_through_selective", 0, 3),  # after 2 L1 hits of each page
+])
+def test_write_policies_are_observable(tiny_model, core, policy, after_first, after_hits):
+    from services.engine.model_config import ModelConfig
+    import torch
+
+    page_gb = kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
+    client = HostTierClient(LocalLink(core), owner=policy, write_policy=policy, selective_hits=2)
+    engine = make_engine(tiny_model, page_gb * 4, client)  # 40 pages: no eviction here
+    engine.block_manager.write_back_window = 0  # only the policy's own moments copy
+    prompt = [random.Random(5).randrange(3, 320) for _ in range(60)]  # 3 cacheable pages
+    run(engine, prompt)
+    engine.step()
+    engine.block_manager.wait_for_copies()
+    assert client.stats["written_back"] == after_first
+    for _ in range(2):
+        run(engine, prompt)
+    engine.block_manager.wait_for_copies()
+    assert client.stats["written_back"] == after_hits
+    assert engine.block_manager.num_evictions == 0
