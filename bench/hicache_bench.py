@@ -43,14 +43,14 @@ def ttft(engine, prompt: list[int], max_tokens: int, rid: str) -> tuple[float, l
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params)
-    first, out, cached = None, [], 0
+    first, out, cached = None, [], (0, 0)
     while engine.has_unfinished():
         for o in engine.step():
             if first is None and o.new_token_ids:
                 first = time.perf_counter() - t0
             out += o.new_token_ids
             if o.finished:
-                cached = o.usage.cached_prompt_tokens
+                cached = (o.usage.cached_tokens_device, o.usage.cached_tokens_host)
     return first, out, cached
 
 
@@ -58,12 +58,12 @@ def agent_workload(engine, users: int, rounds: int, turn: int, max_tokens: int, 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     history = [[] for _ in range(users)]
-    rows = []  # (round, ttft, prompt tokens, cached tokens)
+    rows = []  # (round, ttft, prompt tokens, cached tokens, of which from the host tier)
     for r in range(rounds):
         for u in range(users):
             history[u] += [rng.randrange(100, vocab - 100) for _ in range(turn)]
             t, out, cached = ttft(engine, history[u], max_tokens, f"u{u}r{r}")
-            rows.append((r, t, len(history[u]), cached))
+            rows.append((r, t, len(history[u]), sum(cached), cached[1]))
             history[u] += out
     return rows
 
@@ -106,6 +106,7 @@ def main() -> None:
         results[mode] = dict(
             p50=percentile([r[1] for r in later], 50),
             hit=sum(r[3] for r in later) / max(1, sum(r[2] for r in later)),
+            hit_host=sum(r[4] for r in later) / max(1, sum(r[2] for r in later)),
             stats=dict(client.stats) if client else {},
             prefill_per_token=sum(r[1] for r in rows) / sum(r[2] - r[3] for r in rows),
         )
@@ -114,12 +115,13 @@ def main() -> None:
         del engine
     l2 = results["l1+l2"]["stats"]
     loaded_tokens = l2.get("loaded_back", 0) * 16
-    print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit']:.0%}"] for m, r in results.items()],
-                ["mode", "TTFT p50 rounds>=2 (ms)", "prompt tokens cached"]))
+    print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit'] - r['hit_host']:.0%}", f"{r['hit_host']:.0%}"]
+                 for m, r in results.items()],
+                ["mode", "TTFT p50 rounds>=2 (ms)", "prompt tokens hit in L1", "hit in L2/L3"]))
     print(f"TTFT ratio L1+L2 / L1 only: {results['l1+l2']['p50'] / results['l1']['p50']:.2f} (goal <= 0.3)")
     print(f"TTFT ratio L1+L2 / no prefix cache: {results['l1+l2']['p50'] / results['none']['p50']:.2f}")
-    print(f"L2 share of prompt tokens (rounds >= 2 and all): loaded back {loaded_tokens} tokens, "
-          f"written back {l2.get('written_back', 0)} pages, dropped {l2.get('dropped', 0)}")
+    print(f"L1+L2 run: loaded back {loaded_tokens} tokens, written back {l2.get('written_back', 0)} pages "
+          f"({l2.get('written_sync', 0)} at eviction), dropped {l2.get('dropped', 0)}")
     if loaded_tokens:
         lb = l2["load_back_seconds"] / loaded_tokens
         pf = results["none"]["prefill_per_token"]
