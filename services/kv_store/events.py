@@ -24,7 +24,7 @@ class KVEventPublisher:
     def __init__(self, worker_id: str, host_id: str, *, interval: float = 0.05, max_pending: int = 100_000):
         self.worker_id, self.host_id, self.interval, self.max_pending = worker_id, host_id, interval, max_pending
         self.event_id = 0
-        self._pending: list[KVEvent] = []
+        self._pending: list[tuple[str, str, list[int], list[int]]] = []  # runs of one kind and tier
         self._num_pending_pages = 0
         self._lock = threading.Lock()
         self._task: asyncio.Task | None = None
@@ -38,12 +38,11 @@ class KVEventPublisher:
                 self.num_dropped += len(page_hashes)
                 return
             last = self._pending[-1] if self._pending else None
-            if last is not None and last.kind == kind and last.tier == tier:
-                self._pending[-1] = KVEvent(kind=kind, tier=tier, page_hashes=last.page_hashes + list(page_hashes),
-                                            parent_hashes=last.parent_hashes + list(parent_hashes))
+            if last is not None and last[0] == kind and last[1] == tier:
+                last[2].extend(page_hashes)
+                last[3].extend(parent_hashes)
             else:
-                self._pending.append(KVEvent(kind=kind, tier=tier, page_hashes=list(page_hashes),
-                                             parent_hashes=list(parent_hashes)))
+                self._pending.append((kind, tier, list(page_hashes), list(parent_hashes)))
             self._num_pending_pages += len(page_hashes)
 
     def start(self, bus) -> None:
@@ -54,8 +53,9 @@ class KVEventPublisher:
         with self._lock:
             if not self._pending:
                 return None
-            events, self._pending, self._num_pending_pages = self._pending, [], 0
+            runs, self._pending, self._num_pending_pages = self._pending, [], 0
             self.event_id += 1
+            events = [KVEvent(kind=k, tier=t, page_hashes=h, parent_hashes=p) for k, t, h, p in runs]
             return KVEventBatchEvent(worker_id=self.worker_id, host_id=self.host_id, event_id=self.event_id,
                                      events=events)
 

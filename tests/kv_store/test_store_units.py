@@ -159,3 +159,37 @@ def test_store_refuses_a_second_layout():
     with pytest.raises(InvalidArgument, match="layout"):
         core.attach("e2", "model-b", PB, PS, PB)
     core.close()
+
+
+def test_kv_event_subjects_are_public_with_schemas_and_stable_bytes(tmp_path):
+    import json
+
+    from bus.codec import Encoding, decode, encode
+    from schemas.export import export_schemas
+    from schemas.kv_store import KVEvent, KVEventBatchEvent
+
+    names = {p.name for p in export_schemas(tmp_path)}
+    assert {"kvbus.v1.kv_events.worker_id.json", "kvbus.v1.kv_events.worker_id.dump.json"} <= names
+    schema = json.loads((tmp_path / "kvbus.v1.kv_events.worker_id.json").read_text())
+    assert "KVEvent" in schema["$defs"]
+    batch = KVEventBatchEvent(worker_id="w", host_id="h", event_id=3,
+                              events=[KVEvent(kind="stored", tier="host", page_hashes=[5], parent_hashes=[4])])
+    golden = (b'{"worker_id":"w","host_id":"h","event_id":3,"events":[{"kind":"stored","tier":"host",'
+              b'"page_hashes":[5],"parent_hashes":[4]}]}')
+    assert encode(batch, Encoding.JSON) == golden and decode(golden, KVEventBatchEvent, Encoding.JSON) == batch
+
+
+def test_event_publisher_batches_runs_with_monotonic_ids():
+    from services.kv_store.events import KVEventPublisher
+
+    pub = KVEventPublisher("w", "h", max_pending=3)
+    pub.record("stored", "device", [1], [0])
+    pub.record("stored", "device", [2], [1])
+    pub.record("removed", "device", [1], [0])
+    pub.record("stored", "device", [9], [8])  # past max_pending: dropped, so consumers will see a gap later
+    first = pub.take()
+    assert first.event_id == 1 and [(e.kind, e.page_hashes) for e in first.events] == [("stored", [1, 2]),
+                                                                                      ("removed", [1])]
+    assert pub.num_dropped == 1 and pub.take() is None
+    pub.record("stored", "host", [3], [2])
+    assert pub.take().event_id == 2
