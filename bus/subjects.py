@@ -21,6 +21,19 @@ from schemas.common import (
 )
 from schemas.draft import DraftCloseEvent, DraftProposeReply, DraftProposeRequest
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
+from schemas.kv_store import (
+    KVDumpReply,
+    KVDumpRequest,
+    KVEventBatchEvent,
+    KVStoreAttachReply,
+    KVStoreAttachRequest,
+    KVStoreCommitEvent,
+    KVStoreLeaseReply,
+    KVStoreLeaseRequest,
+    KVStoreLookupReply,
+    KVStoreLookupRequest,
+    KVStoreTouchEvent,
+)
 from schemas.transfer import KVChunkEvent
 from schemas.worker import (
     PrefillReply,
@@ -229,6 +242,60 @@ DRAFT_CLOSE = Subject(
     None,
     "Requests that finished: every draft replica drops their streams.",
     encoding=Encoding.MSGPACK,
+)
+
+# --- kv_store (HiCache host and disk tiers, one per host; internal, MessagePack) --------------
+KV_STORE_ATTACH = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.attach",
+    KVStoreAttachRequest,
+    KVStoreAttachReply,
+    "Map an engine into this host's L2 arena (the first engine's layout creates it).",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_LEASE = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.lease",
+    KVStoreLeaseRequest,
+    KVStoreLeaseReply,
+    "Empty arena slots an engine fills by write-back (taken ahead of need).",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_COMMIT = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.commit",
+    KVStoreCommitEvent,
+    None,
+    "Leased slots an engine filled: slot -> page hash.",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_TOUCH = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.touch",
+    KVStoreTouchEvent,
+    None,
+    "Pages an engine loaded back from L2 (LRU and hit counts).",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_LOOKUP = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.lookup",
+    KVStoreLookupRequest,
+    KVStoreLookupReply,
+    "The leading pages of a chain this host's L2 holds (L3 hits promoted first), with their slots.",
+    encoding=Encoding.MSGPACK,
+)
+
+# --- KV events (for the KV-aware router and any other consumer) ---------------------------
+KV_EVENTS = Subject(
+    f"{PREFIX}.kv_events.{{worker_id}}",
+    KVEventBatchEvent,
+    None,
+    "Pages stored in or removed from a tier (device, host, disk) of one publisher; event ids are "
+    "monotonic per publisher, so a gap means events were lost (ask for a dump).",
+    public=True,
+)
+KV_EVENTS_DUMP = Subject(
+    f"{PREFIX}.kv_events.{{worker_id}}.dump",
+    KVDumpRequest,
+    KVDumpReply,
+    "Every page a publisher holds now, for a consumer to resync after a gap.",
+    public=True,
 )
 
 ALL_SUBJECTS: tuple[Subject, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Subject))

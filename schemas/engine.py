@@ -106,6 +106,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     cached_prompt_tokens: int
+    """Prompt tokens not computed: hits in any cache tier (the sum of the two fields below)."""
     completion_tokens: int
     # speculative decoding (zero when it is off)
     draft_tokens: int = 0
@@ -114,6 +115,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     """Of those, the ones the target accepted."""
     mean_accepted_length: float = 0.0
     """Tokens appended per verification step (accepted drafts + the target's own), 0 without one."""
+    cached_tokens_device: int = 0
+    """Of cached_prompt_tokens: hits in the engine's own KV pool (L1)."""
+    cached_tokens_host: int = 0
+    """Of cached_prompt_tokens: pages loaded back from the host tier (L2, including pages the kv_store
+    promoted from disk, L3, for this request)."""
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):

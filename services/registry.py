@@ -12,6 +12,7 @@ ROLES: dict[str, str] = {
     "prefill": "services.workers.prefill:PrefillActor",
     "decode": "services.workers.decode:DecodeActor",
     "draft": "services.draft.actor:DraftActor",
+    "kv_store": "services.kv_store.actor:KVStoreActor",
 }
 
 

@@ -263,6 +263,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
     from services.registry import ROLES
 
     roles: dict[str, list[str]] = {"tokenizer": [f"tokenizer-{i}" for i in range(args.tokenizers)]}
+    if getattr(args, "hicache", False) and not args.tokenizer_only:
+        roles["kv_store"] = ["kv_store-0"]
     if "gateway" in ROLES and not args.tokenizer_only:
         roles["router"] = ["router-0"]
         if args.layout == "aggregated":
@@ -300,6 +302,15 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                          "--num-speculative-tokens", str(args.num_speculative_tokens)]
                 if args.draft_model:
                     argv += ["--draft-model", args.draft_model]
+                if getattr(args, "hicache", False):
+                    argv += ["--hicache", "--hicache-write-policy", args.hicache_write_policy]
+            if role == "kv_store":
+                argv += ["--hicache-ratio", str(args.hicache_ratio), "--hicache-l3-admit-hits",
+                         str(args.hicache_l3_admit_hits)]
+                if args.hicache_size is not None:
+                    argv += ["--hicache-size", str(args.hicache_size)]
+                if args.hicache_storage_dir:
+                    argv += ["--hicache-storage-dir", args.hicache_storage_dir]
             if role == "gateway":
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
                 if args.api_key_file:  # keys themselves travel in KVBUS_API_KEY (inherited), never in argv
@@ -438,6 +449,16 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--draft-model", default=None, help="--speculative model: local HF folder of the draft model")
     parser.add_argument("--draft-placement", choices=["local", "remote"], default="local",
                         help="local: drafter inside each worker; remote: one draft service (kvbus serve draft) shared by the workers")
+    parser.add_argument("--hicache", action="store_true",
+                        help="start the host's kv_store and let every engine write evicted KV pages back to it "
+                             "and load prefix hits back (docs/hicache.md)")
+    parser.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size in engine KV pools")
+    parser.add_argument("--hicache-size", type=float, default=None, help="L2 size in GB (overrides the ratio)")
+    parser.add_argument("--hicache-storage-dir", default=None, help="L3 directory (none: no disk tier)")
+    parser.add_argument("--hicache-l3-admit-hits", type=int, default=1,
+                        help="L2 hits a page needs to be written to L3 when L2 evicts it")
+    parser.add_argument("--hicache-write-policy", default="write_back",
+                        choices=["write_back", "write_through", "write_through_selective"])
     parser.add_argument("--http-host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--api-key-file", default=None,

@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "services.engine.engine",
     "CacheTierHooks": "services.engine.tier_hooks",
     "NoTierHooks": "services.engine.tier_hooks",
+    "TierHooksList": "services.engine.tier_hooks",
     "ModelConfig": "services.engine.model_config",
     "UnsupportedModelError": "services.engine.model_config",
     "RequestError": "services.engine.outputs",
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from services.engine.engine import LLMEngine
     from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
     from services.engine.model_config import ModelConfig, UnsupportedModelError
-    from services.engine.tier_hooks import CacheTierHooks, NoTierHooks
+    from services.engine.tier_hooks import CacheTierHooks, NoTierHooks, TierHooksList
 
 
 def __getattr__(name: str):

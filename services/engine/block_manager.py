@@ -5,13 +5,19 @@ Page lifecycle::
     free --allocate--> owned (ref >= 1) --last release--> free        (partial page)
                                         \\-last release--> cached (LRU) (full, indexed page)
     cached --matched by a new request--> owned
-    cached --evicted (hooks.on_evict)--> free
+    cached --evicted (hooks.on_removed)--> free
 
 A full page is indexed under its chained page hash once its KV is computed,
 so any later request whose prompt starts with the same tokens reuses it. A
 page with no owner stays cached until the pool needs it; the least recently
 released goes first, and a sequence releases its pages last-to-first so a
 chain is evicted from its tail.
+
+Lower tiers (``tier_hooks.py``): a cached page near the LRU end is copied out
+asynchronously ahead of its eviction (:meth:`tier_tick`, once a step); while
+the copy runs the page stays usable (indexed pages never change) but cannot be
+reused; once it landed the page is "clean" and evicting it costs nothing. Only
+if the pool runs dry before that does eviction wait for a copy.
 """
 
 from __future__ import annotations
@@ -21,19 +27,25 @@ from collections import OrderedDict, deque
 
 from services.engine.page_hash import hash_page, root_hash
 from services.engine.sequence import Sequence
-from services.engine.tier_hooks import CacheTierHooks, NoTierHooks
+from services.engine.tier_hooks import CacheTierHooks, combine
 
 log = logging.getLogger(__name__)
 
 
+L1_ONLY, COPYING, CLEAN = 0, 1, 2
+"""A cached page's standing with the lower tier."""
+
+
 class Page:
-    __slots__ = ("page_id", "ref_count", "page_hash", "token_ids")
+    __slots__ = ("page_id", "ref_count", "page_hash", "token_ids", "parent_hash", "tier_state")
 
     def __init__(self, page_id: int):
         self.page_id = page_id
         self.ref_count = 0
         self.page_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.parent_hash = 0
+        self.tier_state = L1_ONLY
 
 
 class BlockManager:
@@ -44,20 +56,29 @@ class BlockManager:
         *,
         salt: str | bytes = b"",
         enable_prefix_caching: bool = True,
-        hooks: CacheTierHooks | None = None,
+        hooks: CacheTierHooks | list[CacheTierHooks] | None = None,
+        write_back_window: int | None = None,
     ):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"need num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hooks: CacheTierHooks = hooks or NoTierHooks()
+        self.hooks: CacheTierHooks = combine(hooks)
         self.root_hash = root_hash(salt)
         self.pages = [Page(i) for i in range(num_pages)]
         self.free_page_ids: deque[int] = deque(range(num_pages))
         self.cached_page_ids: OrderedDict[int, None] = OrderedDict()  # LRU, oldest first
         self.hash_to_page_id: dict[int, int] = {}
         self.num_evictions = 0
+        self.write_back_window = max(2, num_pages // 4) if write_back_window is None else write_back_window
+        """How many of the least recently used cached pages are copied out ahead of eviction."""
+        self.num_copying = 0
+        self.num_loaded_back = 0
+
+    def bind(self, kv_pool) -> None:
+        """Hand the hooks the KV pool (it is built after the hooks are made)."""
+        self.hooks.bind(kv_pool)
 
     # ---- counts ----------------------------------------------------------
 
@@ -129,9 +150,14 @@ class BlockManager:
         matched = self._match(seq)
         for page_id in matched:
             self._ref(page_id)
+            page = self.pages[page_id]
+            if self.hooks.on_hit(page.page_hash, page_id):
+                self._start_copy(page)
         seq.page_ids = list(matched)
         seq.num_indexed_pages = len(matched)
         loaded = self._load_from_lower_tier(seq)
+        if not seq.is_admitted_once:
+            seq.num_loaded_tokens = loaded * self.page_size
         num_cached = (len(matched) + loaded) * self.page_size
         while len(seq.page_ids) < self.pages_for(seq.num_tokens):
             seq.page_ids.append(self._take_free_page())
@@ -146,17 +172,20 @@ class BlockManager:
         num_hits = min(self.hooks.lookup(want), len(want))
         if num_hits <= 0:
             return 0
+        size = self.page_size
+        tokens = [seq.token_ids[(start + i) * size : (start + i + 1) * size] for i in range(num_hits)]
         page_ids = [self._take_free_page() for _ in range(num_hits)]
         try:
-            self.hooks.load_back(want[:num_hits], page_ids)
+            loaded = max(0, min(self.hooks.load_back(want[:num_hits], tokens, page_ids), num_hits))
         except Exception:  # a lower tier failing must not fail the request
             log.exception("load_back of %d pages failed; recomputing them", num_hits)
-            for page_id in reversed(page_ids):
-                self._unref(page_id)
-            return 0
-        seq.page_ids.extend(page_ids)
-        self.index_pages(seq, start + num_hits)
-        return num_hits
+            loaded = 0
+        for page_id in reversed(page_ids[loaded:]):  # not loaded: recomputed into fresh pages
+            self._unref(page_id)
+        seq.page_ids.extend(page_ids[:loaded])
+        self.index_pages(seq, start + loaded, clean=True)
+        self.num_loaded_back += loaded
+        return loaded
 
     # ---- growth ----------------------------------------------------------
 
@@ -186,7 +215,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.index_pages(seq, min(seq.num_computed_tokens // self.page_size, len(seq.page_ids)))
 
-    def index_pages(self, seq: Sequence, upto: int) -> None:
+    def index_pages(self, seq: Sequence, upto: int, *, clean: bool = False) -> None:
+        """Index pages ``[num_indexed_pages, upto)`` of ``seq``; ``clean``: loaded from a lower tier."""
         if upto <= seq.num_indexed_pages:
             return
         hashes = self.update_hashes(seq)
@@ -197,8 +227,11 @@ class BlockManager:
             if page.page_hash is None and h not in self.hash_to_page_id:
                 page.page_hash = h
                 page.token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
+                page.parent_hash = hashes[i - 1] if i else self.root_hash
+                page.tier_state = CLEAN if clean else L1_ONLY
                 self.hash_to_page_id[h] = page.page_id
-                self.hooks.on_stored(h, page.page_id)
+                if self.hooks.on_stored(h, page.parent_hash, page.page_id) and not clean:
+                    self._start_copy(page)
             # else: another sequence computed the same page first; this copy
             # stays private and goes back to the free list when released.
         seq.num_indexed_pages = upto
@@ -219,6 +252,47 @@ class BlockManager:
         while self.cached_page_ids:
             self.free_page_ids.append(self._evict_one())
         return count
+
+    # ---- lower tiers ------------------------------------------------------
+
+    def tier_tick(self) -> None:
+        """Once a step: take back pages whose copy landed, start copies of pages near eviction."""
+        if not self.hooks.is_tier:  # nothing below L1: no cost per step
+            return
+        self._reclaim(self.hooks.poll_written())
+        if self.write_back_window <= 0:
+            return
+        for n, page_id in enumerate(self.cached_page_ids):
+            if n >= self.write_back_window:
+                break
+            page = self.pages[page_id]
+            if page.tier_state == L1_ONLY and self.hooks.wants_write_back(page.page_hash):
+                if not self._start_copy(page):
+                    break  # the tier takes no more now (no free slots, queue full)
+
+    def _start_copy(self, page: Page) -> bool:
+        if page.tier_state != L1_ONLY:
+            return page.tier_state == COPYING
+        if not self.hooks.write_back(page.page_hash, page.parent_hash, page.token_ids, page.page_id):
+            return False
+        page.tier_state = COPYING
+        self.num_copying += 1
+        return True
+
+    def _reclaim(self, done: list[tuple[int, bool]]) -> None:
+        for page_id, ok in done:
+            page = self.pages[page_id]
+            if page.tier_state == COPYING:
+                page.tier_state = CLEAN if ok else L1_ONLY
+                self.num_copying -= 1
+
+    def wait_for_copies(self, timeout: float = 30.0) -> None:
+        """Block until no copy-out is in flight (tests, shutdown)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.num_copying and time.monotonic() < deadline:
+            self._reclaim(self.hooks.wait_written(min(1.0, deadline - time.monotonic())))
 
     # ---- internals -------------------------------------------------------
 
@@ -247,13 +321,20 @@ class BlockManager:
     def _evict_one(self) -> int:
         if not self.cached_page_ids:
             raise RuntimeError("KV pool exhausted (the scheduler should have checked)")
-        page_id, _ = self.cached_page_ids.popitem(last=False)
+        page_id = next((p for p in self.cached_page_ids if self.pages[p].tier_state != COPYING), None)
+        while page_id is None:  # every evictable page is being copied out: wait for one copy
+            self._reclaim(self.hooks.wait_written(1.0))
+            page_id = next((p for p in self.cached_page_ids if self.pages[p].tier_state != COPYING), None)
+        del self.cached_page_ids[page_id]
         page = self.pages[page_id]
         h = page.page_hash
         assert h is not None
-        self.hooks.on_evict(h, page_id)
+        if page.tier_state == L1_ONLY and self.hooks.wants_write_back(h):
+            self.hooks.write_back_sync(h, page.parent_hash, page.token_ids, page_id)
+        self.hooks.on_removed(h, page_id, clean=page.tier_state == CLEAN)
         del self.hash_to_page_id[h]
         page.page_hash = None
         page.token_ids = ()
+        page.tier_state = L1_ONLY
         self.num_evictions += 1
         return page_id

@@ -54,7 +54,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class LLMEngine(AsyncEngineMixin):
-    def __init__(self, config: EngineConfig | None = None, *, tier_hooks: CacheTierHooks | None = None):
+    def __init__(self, config: EngineConfig | None = None, *,
+                 tier_hooks: CacheTierHooks | list[CacheTierHooks] | None = None):
         self.config = config = config or EngineConfig()
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)) or 1)
@@ -86,6 +87,7 @@ class LLMEngine(AsyncEngineMixin):
             num_pages, config.page_size, salt=config.cache_salt,
             enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,
         )
+        self.block_manager.bind(self.kv_pool)
         self.scheduler = Scheduler(
             self.block_manager,
             max_running_requests=config.max_running_requests,
@@ -264,6 +266,7 @@ class LLMEngine(AsyncEngineMixin):
         outputs = self._drain_mailbox()
         if self.drafter is not None:
             self._draft()
+        self.block_manager.tier_tick()  # lower cache tiers: reclaim landed copies, start new ones
         batch = self.scheduler.schedule()
         for seq in batch.out_of_pages:
             outputs.append(self._finish(seq, "length", []))
@@ -480,6 +483,7 @@ class LLMEngine(AsyncEngineMixin):
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
+        host = min(seq.num_loaded_tokens, seq.num_cached_tokens)
         return Usage(
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens,
@@ -489,6 +493,8 @@ class LLMEngine(AsyncEngineMixin):
             mean_accepted_length=(
                 (seq.num_accepted_tokens + seq.num_spec_steps) / seq.num_spec_steps if seq.num_spec_steps else 0.0
             ),
+            cached_tokens_device=seq.num_cached_tokens - host,
+            cached_tokens_host=host,
         )
 
     # ---- run to completion ----------------------------------------------

@@ -43,6 +43,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_indexed_pages = 0
         self.num_cached_tokens = 0
+        self.num_loaded_tokens = 0  # of the cached prefix at first admission: loaded from a lower tier
         self.num_preemptions = 0
         self.is_admitted_once = False
         self.stop_token_ids = frozenset(params.stop_token_ids) | (

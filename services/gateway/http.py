@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bus import tracing
-from bus.errors import HTTP_STATUS, BusError, Internal
+from bus.errors import BusError, Internal
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.engine import Usage
 from services.actor import VERSION

@@ -16,7 +16,8 @@ import time
 from collections.abc import AsyncIterator
 
 from bus.errors import InvalidArgument, Unavailable
-from bus.subjects import WORKER_GENERATE, WORKER_HEARTBEAT
+from bus.subjects import KV_EVENTS_DUMP, WORKER_GENERATE, WORKER_HEARTBEAT
+from schemas.kv_store import KVDumpReply, KVDumpRequest
 from schemas.engine import RequestOutput
 from schemas.worker import TokenChunk, WorkerGenerateRequest, WorkerHeartbeatEvent, WorkerLoad
 from services.actor import Actor
@@ -40,12 +41,37 @@ class EngineWorker(Actor):
         self.num_admitting = 0
         """Requests admitted but not yet in the engine (prefilling remotely, or receiving KV)."""
         self.admission = Admission(config.max_running_requests, config.max_queue, config.max_queue_wait)
+        self.tier = None  # HiCache client (services/kv_store/client.py) when config.hicache
+        self.kv_events = None
+        self._tier_task: asyncio.Task | None = None
 
     async def setup(self) -> None:
+        from services.kv_store.events import DeviceEventHooks, KVEventPublisher
+
+        self.kv_events = KVEventPublisher(self.worker_id, self.host_id)
+        hooks = [DeviceEventHooks(self.kv_events)]
+        if self.config.hicache:
+            from services.kv_store.client import HostTierClient
+            from services.kv_store.links import BusLink
+
+            cfg = self.config
+            self.tier = HostTierClient(
+                BusLink(None, self.host_id, asyncio.get_running_loop()), owner=self.worker_id,
+                model=str(cfg.model or "default"), write_policy=cfg.hicache_write_policy,
+                selective_hits=cfg.hicache_selective_hits, min_load_pages=cfg.hicache_min_load_pages)
+            hooks.append(self.tier)
         if self.engine is None:
             from services.engine import LLMEngine
 
-            self.engine = await LLMEngine.create(self.config.engine_config)
+            self.engine = await LLMEngine.create(self.config.engine_config, tier_hooks=hooks)
+        else:  # an engine built by a test: plug the listeners in beside the ones it has
+            from services.engine.tier_hooks import CacheTierHooks, TierHooksList
+
+            bm, old = self.engine.block_manager, self.engine.block_manager.hooks
+            before = old.hooks if isinstance(old, TierHooksList) else ([] if type(old) is CacheTierHooks else [old])
+            for h in hooks:
+                h.bind(self.engine.kv_pool)
+            bm.hooks = TierHooksList([*before, *hooks])
 
     async def start(self, bus) -> None:
         await super().start(bus)
@@ -58,13 +84,21 @@ class EngineWorker(Actor):
                 cost_per_token=0.0 if c.speculative_method == "ngram" else 0.4,
             ))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        await bus.serve(KV_EVENTS_DUMP, self.handle_kv_dump, worker_id=self.worker_id)
+        self.kv_events.start(bus)
+        if self.tier is not None:
+            self.tier.link.bus = bus
+            self._tier_task = asyncio.create_task(self._tier_loop(), name="hicache-attach")
 
     async def stop(self) -> None:
         await super().stop()
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
-            self._heartbeat_task = None
+        for task in (self._heartbeat_task, self._tier_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._heartbeat_task = self._tier_task = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.bus is not None:  # a last word so the router drops us at once
             self.is_draining = True
             try:
@@ -73,6 +107,49 @@ class EngineWorker(Actor):
                 pass
         if self.engine is not None:
             await self.engine.aclose()
+        if self.tier is not None:
+            self.tier.close()  # ends the copy thread after the copies queued
+
+    # --- HiCache and KV events ---------------------------------------------------------
+    async def _tier_loop(self) -> None:
+        """Attach to the host's kv_store, then check the attachment every interval (one small
+        request): a restarted store has a new arena, which the tier switches to; while none
+        answers the engine serves from pages still mapped (verified) and by recomputing."""
+        tier, link = self.tier, self.tier.link
+        while True:
+            try:
+                name, layout = await link.attach_async(**tier.attach_request())
+                tier.use_arena(name, layout)
+            except Exception as exc:
+                link.healthy = False
+                log.debug("kv_store not attached: %s", exc)
+            await asyncio.sleep(self.config.hicache_reconnect_interval)
+
+    async def prefetch_tiers(self, prompt_token_ids: list[int]) -> None:
+        """Before queueing a request: learn which of its pages missing from L1 the host tier
+        holds, so the engine's admission loads them without a bus round trip."""
+        tier = self.tier
+        if tier is None or not tier.is_attached or not tier.link.healthy:
+            return
+        from services.engine.page_hash import page_hashes
+
+        bm = self.engine.block_manager
+        limit = (len(prompt_token_ids) - 1) // bm.page_size
+        hashes = page_hashes(prompt_token_ids[: limit * bm.page_size], bm.page_size, self.config.cache_salt)
+        start = 0
+        while start < len(hashes) and hashes[start] in bm.hash_to_page_id:
+            start += 1
+        if start < len(hashes):
+            try:
+                await asyncio.wait_for(tier.prefetch(hashes[start:]), self.config.hicache_timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    async def handle_kv_dump(self, req: KVDumpRequest) -> KVDumpReply:
+        hooks = self.engine.block_manager.hooks
+        device = next((h for h in getattr(hooks, "hooks", [hooks]) if hasattr(h, "dump")), None)
+        return KVDumpReply(worker_id=self.worker_id, host_id=self.host_id, event_id=self.kv_events.event_id,
+                           events=device.dump() if device is not None else [])
 
     # --- load and admission -------------------------------------------------------------
     def load(self) -> WorkerLoad:
@@ -129,6 +206,9 @@ class EngineWorker(Actor):
             detail.update(spec_drafted=str(st.num_drafted_tokens), spec_accepted=str(st.num_accepted_tokens),
                           spec_acceptance=f"{st.acceptance_rate:.3f}",
                           spec_draft_share=f"{st.draft_seconds / st.step_seconds if st.step_seconds else 0.0:.3f}")
+        if self.tier is not None:
+            detail["hicache_attached"] = str(int(self.tier.is_attached))
+            detail.update({f"hicache_{k}": f"{v:g}" for k, v in self.tier.stats.items()})
         return detail
 
 
@@ -202,4 +282,5 @@ class WorkerActor(EngineWorker):
         """The engine's output stream for ``req`` (here: prefill locally)."""
         if req.prefill_worker_id is not None:
             raise InvalidArgument(f"worker {self.worker_id} is aggregated: it takes no prefill worker")
+        await self.prefetch_tiers(req.prompt_token_ids)
         return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)

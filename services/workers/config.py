@@ -39,6 +39,18 @@ class WorkerConfig(EngineConfig):
     """With speculative_method: local (the drafter runs in this process, called by the engine) or remote (the draft service, kvbus serve draft)."""
     draft_timeout: float = 0.05
     """remote drafting: seconds a step waits for proposals before it decodes plainly (then skips the service for a while)."""
+    hicache: bool = False
+    """Use this host's kv_store (HiCache): write evicted KV pages back to host memory, load prefix hits back."""
+    hicache_write_policy: str = "write_back"
+    """When pages reach the host tier: write_back (on L1 eviction), write_through, write_through_selective."""
+    hicache_selective_hits: int = 2
+    """write_through_selective: L1 hits after which a page is copied to the host tier."""
+    hicache_min_load_pages: int = 1
+    """Fewest host-tier pages worth loading back; shorter runs are recomputed."""
+    hicache_reconnect_interval: float = 1.0
+    """Seconds between checks of the attachment to the kv_store (a restarted store is re-attached)."""
+    hicache_timeout: float = 0.25
+    """Seconds the worker waits for the kv_store's lookup before queueing a request anyway (then: recompute)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,6 +66,13 @@ class WorkerConfig(EngineConfig):
             raise ConfigError(f"WorkerConfig.draft_placement must be local or remote, got {self.draft_placement!r}")
         if not self.draft_timeout > 0:
             raise ConfigError("WorkerConfig.draft_timeout must be > 0")
+        from services.kv_store.policies import WRITE_POLICIES
+
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"WorkerConfig.hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}")
+        if self.hicache_selective_hits < 1 or self.hicache_min_load_pages < 1 or not self.hicache_timeout > 0:
+            raise ConfigError("WorkerConfig.hicache_selective_hits and hicache_min_load_pages must be >= 1, "
+                              "hicache_timeout > 0")
         if self.kv_transfer not in TRANSFER_BACKENDS:
             raise ConfigError(f"WorkerConfig.kv_transfer must be one of {', '.join(TRANSFER_BACKENDS)}")
 

@@ -60,6 +60,7 @@ class DecodeActor(WorkerActor):
                 log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
                             req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
         self.num_local_prefills += 1
+        await self.prefetch_tiers(req.prompt_token_ids)
         return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
 
     async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float]):

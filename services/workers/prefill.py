@@ -42,6 +42,7 @@ class PrefillActor(EngineWorker):
 
         self.admit(req.deadline_s)
         t0 = time.monotonic()
+        await self.prefetch_tiers(req.prompt_token_ids)  # host-tier hits load instead of recomputing
         try:
             result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id)
         except RequestError as exc:

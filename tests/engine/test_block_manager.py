@@ -4,6 +4,7 @@ from schemas.engine import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.page_hash import page_hashes
 from services.engine.sequence import Sequence
+from services.engine.tier_hooks import CacheTierHooks
 
 PS = 4
 
@@ -99,17 +100,11 @@ def test_salt_isolates_caches():
 def test_lru_evicts_unreferenced_tail_first():
     evicted = []
 
-    class Hooks:
-        def on_stored(self, h, p):
-            pass
-
-        def on_evict(self, h, p):
+    class Hooks(CacheTierHooks):
+        def on_removed(self, h, p, *, clean):
             evicted.append((h, p))
 
-        def lookup(self, hashes):
-            return 0
-
-        def load_back(self, hashes, page_ids):
+        def load_back(self, hashes, tokens, page_ids):
             raise AssertionError("not called")
 
     bm = BlockManager(6, PS, hooks=Hooks())
@@ -211,18 +206,18 @@ def test_prefix_caching_can_be_disabled():
     assert bm.allocate(make_seq(range(9), "b")) == 0
 
 
-class FakeTier:
+class FakeTier(CacheTierHooks):
     def __init__(self, held, fail=False):
         self.held = list(held)
         self.fail = fail
         self.loaded = []
         self.stored = []
 
-    def on_stored(self, h, p):
-        self.stored.append(h)
+    is_tier = True
 
-    def on_evict(self, h, p):
-        pass
+    def on_stored(self, h, parent, p):
+        self.stored.append(h)
+        return False
 
     def lookup(self, hashes):
         n = 0
@@ -230,10 +225,11 @@ class FakeTier:
             n += 1
         return n
 
-    def load_back(self, hashes, page_ids):
+    def load_back(self, hashes, tokens, page_ids):
         if self.fail:
             raise OSError("tier down")
         self.loaded.append((list(hashes), list(page_ids)))
+        return len(page_ids)
 
 
 def test_lower_tier_hits_are_loaded_back_not_recomputed():

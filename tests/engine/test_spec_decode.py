@@ -10,6 +10,7 @@ from schemas.engine import SamplingParams
 from services.draft.base import Drafter, Proposal
 from services.draft.ngram import NgramDrafter, lookup
 from services.engine.spec_decode import accept_greedy, accept_sampled, choose_k, target_probs, verify
+from services.engine.tier_hooks import CacheTierHooks
 from tests.engine.conftest import make_engine
 
 # ---- the acceptance rule on its own -------------------------------------------------------
@@ -195,23 +196,25 @@ def test_stops_apply_to_accepted_tokens_one_by_one(engine, spec_engine, tokenize
     _assert_idle(spec_engine)
 
 
-class _Recorder:
-    """Tier hooks that record what the block manager hands to a lower tier."""
+class _Recorder(CacheTierHooks):
+    """A write-through tier that records every page the block manager offers it (stored or
+    written back); it holds nothing, so nothing is ever loaded back."""
+
+    is_tier = True
 
     def __init__(self):
         self.stored: list[int] = []
 
-    def on_stored(self, page_hash, page_id):
+    def on_stored(self, page_hash, parent_hash, page_id):
         self.stored.append(page_hash)
+        return False
 
-    def on_evict(self, page_hash, page_id):
-        pass
+    def write_back(self, page_hash, parent_hash, token_ids, page_id):
+        self.stored.append(page_hash)
+        return False
 
-    def lookup(self, page_hashes):
-        return 0
-
-    def load_back(self, page_hashes, page_ids):
-        raise AssertionError("nothing to load")
+    def write_back_sync(self, page_hash, parent_hash, token_ids, page_id):
+        self.stored.append(page_hash)
 
 
 def _trace(engine, prompt, params):

@@ -1,0 +1,157 @@
+"""HiCache: a multi-turn agent workload with L1 only, L1+L2 and no prefix cache, in one process.
+
+    python -m bench.hicache_bench                 # full run: 8 users x 6 rounds (~15-25 min on 2 cores)
+    python -m bench.hicache_bench --quick         # 3 users x 3 rounds, tiny turns (< 1 min): a check only
+
+Workload: every user resends its whole history each round (previous prompt + answer + a new
+message of --turn-tokens random tokens); users take turns (u0 r0, u1 r0, ..., u0 r1, ...). L1 is
+sized to about two users' final history, so by the time a user comes back its pages left L1.
+The kv_store core runs in this process (LocalLink), on the real shared-memory arena.
+
+Rows:
+  TTFT p50, rounds >= 2      per mode; ratios L1+L2 / L1 only (goal <= 0.3) and / no prefix cache
+  hit rate                   cached prompt tokens / prompt tokens, and the part loaded from L2
+  load-back vs prefill       seconds per token loaded back vs per token prefilled (goal >= 20x cheaper)
+  decode step, write-back    mean decode step with write_through copies running vs no tier (goal <= 1.05x)
+  1P1D bytes per turn        not measured: sending only missing pages is not implemented yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import torch
+
+from bench.common import machine, percentile, table
+from schemas.engine import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def make_engine(model, kv_gb: float, hooks=None, prefix: bool = True, max_running: int = 8):
+    from services.engine import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(model=model, kv_cache_memory=kv_gb, load_tokenizer=False, enable_prefix_caching=prefix,
+                       max_running_requests=max_running)
+    return LLMEngine(cfg, tier_hooks=hooks)
+
+
+def ttft(engine, prompt: list[int], max_tokens: int, rid: str) -> tuple[float, list[int], int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    first, out, cached = None, [], (0, 0)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if first is None and o.new_token_ids:
+                first = time.perf_counter() - t0
+            out += o.new_token_ids
+            if o.finished:
+                cached = (o.usage.cached_tokens_device, o.usage.cached_tokens_host)
+    return first, out, cached
+
+
+def agent_workload(engine, users: int, rounds: int, turn: int, max_tokens: int, seed: int = 0):
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    history = [[] for _ in range(users)]
+    rows = []  # (round, ttft, prompt tokens, cached tokens, of which from the host tier)
+    for r in range(rounds):
+        for u in range(users):
+            history[u] += [rng.randrange(100, vocab - 100) for _ in range(turn)]
+            t, out, cached = ttft(engine, history[u], max_tokens, f"u{u}r{r}")
+            rows.append((r, t, len(history[u]), sum(cached), cached[1]))
+            history[u] += out
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.users, args.rounds, args.turn_tokens, args.max_tokens = 3, 3, 48, 4
+    from services.engine.kv_pool import kv_bytes_per_page
+    from services.engine.model_config import ModelConfig
+    from services.kv_store.client import HostTierClient
+    from services.kv_store.config import KVStoreConfig
+    from services.kv_store.links import LocalLink
+    from services.kv_store.store import StoreCore
+    from services.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    page_bytes = kv_bytes_per_page(ModelConfig.from_dir(model), 16, torch.float32)
+    final_len = args.rounds * (args.turn_tokens + args.max_tokens)
+    l1_gb = 2 * (final_len // 16 + 2) * page_bytes / 1024**3  # about two users' final KV
+    print(machine())
+    print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, L1 {l1_gb * 1024:.1f} MB")
+
+    results = {}
+    for mode in ("none", "l1", "l1+l2"):
+        core = client = None
+        if mode == "l1+l2":
+            core = StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
+            client = HostTierClient(LocalLink(core), owner="bench")
+        engine = make_engine(model, l1_gb, client, prefix=mode != "none")
+        rows = agent_workload(engine, args.users, args.rounds, args.turn_tokens, args.max_tokens)
+        later = [r for r in rows if r[0] >= 1]
+        results[mode] = dict(
+            p50=percentile([r[1] for r in later], 50),
+            hit=sum(r[3] for r in later) / max(1, sum(r[2] for r in later)),
+            hit_host=sum(r[4] for r in later) / max(1, sum(r[2] for r in later)),
+            stats=dict(client.stats) if client else {},
+            prefill_per_token=sum(r[1] for r in rows) / sum(r[2] - r[3] for r in rows),
+        )
+        if core is not None:
+            core.close()
+        del engine
+    l2 = results["l1+l2"]["stats"]
+    loaded_tokens = l2.get("loaded_back", 0) * 16
+    print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit'] - r['hit_host']:.0%}", f"{r['hit_host']:.0%}"]
+                 for m, r in results.items()],
+                ["mode", "TTFT p50 rounds>=2 (ms)", "prompt tokens hit in L1", "hit in L2/L3"]))
+    print(f"TTFT ratio L1+L2 / L1 only: {results['l1+l2']['p50'] / results['l1']['p50']:.2f} (goal <= 0.3)")
+    print(f"TTFT ratio L1+L2 / no prefix cache: {results['l1+l2']['p50'] / results['none']['p50']:.2f}")
+    print(f"L1+L2 run: loaded back {loaded_tokens} tokens, written back {l2.get('written_back', 0)} pages "
+          f"({l2.get('written_sync', 0)} at eviction), dropped {l2.get('dropped', 0)}")
+    if loaded_tokens:
+        lb = l2["load_back_seconds"] / loaded_tokens
+        pf = results["none"]["prefill_per_token"]
+        print(f"load-back {lb * 1e6:.1f} us/token vs prefill {pf * 1e6:.1f} us/token: {pf / lb:.0f}x cheaper (goal >= 20x)")
+
+    # Decode steps with write-back copies running (write_through: a copy for every new page) vs no tier.
+    steps = {}
+    for mode in ("none", "write-back"):
+        core = client = None
+        if mode != "none":
+            core = StoreCore(KVStoreConfig(hicache_size=0.05 if args.quick else 0.5, memory_reserve=0.5))
+            client = HostTierClient(LocalLink(core), owner="bench-decode", write_policy="write_through")
+        engine = make_engine(model, l1_gb * 2, client)
+        n = 8 if args.quick else 64
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        rng = random.Random(1)
+        for i in range(4):
+            engine.add_request(f"d{i}", [rng.randrange(100, 20000) for _ in range(40)], params)
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        steps[mode] = percentile(times[2:], 50)
+        if core is not None:
+            core.close()
+    print(f"decode step p50: {steps['none'] * 1e3:.1f} ms without a tier, {steps['write-back'] * 1e3:.1f} ms with "
+          f"write-through copies: {steps['write-back'] / steps['none']:.3f}x (goal <= 1.05x)")
+    print("1P1D KV bytes per turn: not measured (disaggregated transfers do not use the tiers yet)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Messages of the kv_store (HiCache L2/L3 on one host) and of KV events.
+
+kv_store messages carry metadata only (page hash -> arena slot, leases,
+commits); page bytes stay in the host's shared-memory arena. KV events are
+public (JSON): the KV-aware router and other consumers follow them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+KVTier = Literal["device", "host", "disk"]
+KVEventKind = Literal["stored", "removed"]
+
+
+class KVStoreAttachRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine maps the host's arena (the first one's layout and pool size create it)."""
+
+    worker_id: str
+    layout_key: str
+    """Model, page shape, KV dtype and fp8 scales: only engines with equal keys share pages."""
+    page_bytes: int
+    page_size: int
+    pool_bytes: int
+    reset_leases: bool = True
+    """Give back every slot this worker id leased before (a fresh start; False when re-attaching)."""
+
+
+class KVStoreAttachReply(msgspec.Struct, frozen=True, kw_only=True):
+    arena_name: str
+    """POSIX shared-memory segment to map (mode 0600)."""
+    num_slots: int
+    page_bytes: int
+    page_size: int
+
+
+class KVStoreLeaseRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Empty slots for write-back, taken ahead of need."""
+
+    worker_id: str
+    arena_name: str
+    count: int
+
+
+class KVStoreLeaseReply(msgspec.Struct, frozen=True, kw_only=True):
+    slots: list[int]
+
+
+class KVStoreCommitEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Leased slots an engine filled: ``slots[i]`` holds ``page_hashes[i]``."""
+
+    worker_id: str
+    arena_name: str
+    slots: list[int]
+    page_hashes: list[int]
+    parent_hashes: list[int]
+
+
+class KVStoreTouchEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Pages an engine loaded back (LRU order and hit counts)."""
+
+    page_hashes: list[int]
+
+
+class KVStoreLookupRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Which leading pages does L2 hold (L3 hits are promoted into L2 first)?"""
+
+    page_hashes: list[int]
+
+
+class KVStoreLookupReply(msgspec.Struct, frozen=True, kw_only=True):
+    arena_name: str
+    page_hashes: list[int]
+    """The leading run of the requested hashes that L2 holds now."""
+    slots: list[int]
+
+
+class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
+    kind: KVEventKind
+    tier: KVTier
+    page_hashes: list[int]
+    parent_hashes: list[int]
+    """``parent_hashes[i]`` is the hash of the page before ``page_hashes[i]`` (the chain's root for a first page)."""
+
+
+class KVEventBatchEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Pages a publisher (engine or kv_store) stored or removed, in order."""
+
+    worker_id: str
+    host_id: str
+    event_id: int
+    """Monotonic per publisher, +1 per batch: a consumer that sees a gap asks for a dump."""
+    events: list[KVEvent]
+
+
+class KVDumpRequest(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class KVDumpReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a publisher holds now, as of ``event_id`` (the last batch it published)."""
+
+    worker_id: str
+    host_id: str
+    event_id: int
+    events: list[KVEvent]

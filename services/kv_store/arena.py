@@ -1,0 +1,173 @@
+"""The L2 arena: one POSIX shared-memory segment of page slots, per host.
+
+The kv_store creates it (mode 0600: only processes of the same user map it);
+engines on the host map it too, so a page never crosses the bus on one host.
+
+Layout: ``num_slots`` headers, then ``num_slots`` data slots of ``page_bytes``
+each (4 KiB aligned). A header is ``[version u64, page_hash u64, num_tokens
+u64, token ids u32 x page_size]``.
+
+Concurrency is a seqlock per slot, so a reader needs no round trip to pin a
+slot. Exactly one process writes a slot at a time: the engine that leased it
+(filling it), or the kv_store (invalidating it when the slot is evicted, which
+it never does to a leased slot). A writer makes ``version`` odd, writes, then
+makes it even again. A reader reads ``version`` and ``page_hash``, copies the
+data, and keeps the copy only if ``version`` is unchanged, even, and the hash
+and tokens are the ones it wanted. A slot evicted and refilled while being
+read is therefore detected, and the page is recomputed instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
+SEGMENT_PREFIX = "kvbus-kvstore-"
+_ALIGN = 4096
+_FIXED_WORDS = 3  # version, hash, num_tokens (u64 each)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    num_slots: int
+    page_bytes: int
+    page_size: int
+
+    @property
+    def header_bytes(self) -> int:
+        return _round_up(8 * _FIXED_WORDS + 4 * self.page_size, 64)
+
+    @property
+    def data_offset(self) -> int:
+        return _round_up(self.num_slots * self.header_bytes, _ALIGN)
+
+    @property
+    def slot_stride(self) -> int:
+        return _round_up(self.page_bytes, 64)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_offset + self.num_slots * self.slot_stride
+
+
+class Arena:
+    """A mapping of the arena segment (the creator owns and unlinks it)."""
+
+    def __init__(self, name: str, layout: ArenaLayout, mapping: mmap.mmap, *, owner: bool):
+        self.name, self.layout, self._mapping, self.owner = name, layout, mapping, owner
+        buf = memoryview(mapping)
+        hb = layout.header_bytes
+        headers = np.frombuffer(buf, dtype=np.uint8, count=layout.num_slots * hb)
+        self._headers = headers.reshape(layout.num_slots, hb)
+        self._words = self._headers[:, : 8 * _FIXED_WORDS].view(np.uint64)  # [slots, 3]
+        self._tokens = self._headers[:, 8 * _FIXED_WORDS : 8 * _FIXED_WORDS + 4 * layout.page_size].view(np.uint32)
+        data = np.frombuffer(buf, dtype=np.uint8, count=layout.num_slots * layout.slot_stride,
+                             offset=layout.data_offset)
+        self._data = data.reshape(layout.num_slots, layout.slot_stride)[:, : layout.page_bytes]
+
+    # ---- lifecycle -------------------------------------------------------
+
+    @classmethod
+    def create(cls, layout: ArenaLayout, tag: str = "") -> "Arena":
+        if _posixshmem is None:
+            raise OSError("POSIX shared memory is not available on this platform")
+        name = f"{SEGMENT_PREFIX}{tag}{'-' if tag else ''}{secrets.token_hex(4)}"
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, layout.total_bytes)
+            mapping = mmap.mmap(fd, layout.total_bytes)
+        except BaseException:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        os.close(fd)
+        return cls(name, layout, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, layout: ArenaLayout) -> "Arena":
+        if not name.startswith(SEGMENT_PREFIX) or "/" in name:
+            raise ValueError(f"not a kv_store arena: {name!r}")
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size < layout.total_bytes:
+                raise ValueError(f"arena {name} holds {size} B, its layout needs {layout.total_bytes}")
+            mapping = mmap.mmap(fd, layout.total_bytes)
+        finally:
+            os.close(fd)
+        return cls(name, layout, mapping, owner=False)
+
+    def close(self) -> None:
+        """Drop this mapping (numpy views die with it); the owner also unlinks the segment."""
+        self._headers = self._words = self._tokens = self._data = None
+        try:
+            self._mapping.close()
+        except BufferError:  # a view still exported: the OS frees it with the process
+            pass
+        if self.owner:
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+
+    # ---- slot access -----------------------------------------------------
+
+    def slot_data(self, slot: int) -> np.ndarray:
+        """The slot's bytes (a view; write only to a slot you hold)."""
+        return self._data[slot]
+
+    def header(self, slot: int) -> tuple[int, int]:
+        """``(version, page_hash)`` of a slot now."""
+        w = self._words[slot]
+        return int(w[0]), int(w[1])
+
+    def slot_hash(self, slot: int) -> int | None:
+        version, h = self.header(slot)
+        return h if version % 2 == 0 and h else None
+
+    def write(self, slot: int, page_hash: int, token_ids, data: np.ndarray) -> None:
+        """Fill a slot this process holds (seqlock writer)."""
+        w = self._words[slot]
+        w[0] += 1  # odd: being written
+        self._data[slot][:] = data.reshape(-1).view(np.uint8)
+        self._tokens[slot][: len(token_ids)] = token_ids
+        w[2] = len(token_ids)
+        w[1] = page_hash
+        w[0] += 1
+
+    def invalidate(self, slot: int) -> None:
+        """Forget a slot's page (the kv_store, before it reuses the slot)."""
+        w = self._words[slot]
+        w[0] += 1
+        w[1] = 0
+        w[2] = 0
+        w[0] += 1
+
+    def read_into(self, slot: int, page_hash: int, token_ids, out: np.ndarray) -> bool:
+        """Copy the slot into ``out`` if it holds ``page_hash`` with ``token_ids``, consistently."""
+        w = self._words[slot]
+        v1 = int(w[0])
+        if v1 % 2 or int(w[1]) != page_hash or int(w[2]) != len(token_ids):
+            return False
+        if not np.array_equal(self._tokens[slot][: len(token_ids)], np.asarray(token_ids, dtype=np.uint32)):
+            return False
+        out.reshape(-1).view(np.uint8)[:] = self._data[slot]
+        return int(w[0]) == v1 and int(w[1]) == page_hash
+
+    def read_header(self, slot: int) -> tuple[int, list[int]]:
+        """``(page_hash or 0, token ids)`` of a stable slot (the kv_store, when spilling to disk)."""
+        w = self._words[slot]
+        return int(w[1]), self._tokens[slot][: int(w[2])].tolist()

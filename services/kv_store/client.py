@@ -1,0 +1,273 @@
+"""The engine's side of HiCache: a cache tier (``tier_hooks.CacheTierHooks``) over the host's L2 arena.
+
+Data path on one host: pages are copied between the engine's KV pool and the
+shared-memory arena (``arena.py``) directly; the kv_store only hands out empty
+slots (leases, fetched ahead of need) and records which slot holds which page
+(commits). Nothing the engine step calls waits on the bus:
+
+- write-back: :meth:`write_back` takes a leased slot and queues the copy; a copy
+  thread copies the page into the slot (a plain memcpy, no OpenMP region: see
+  ``engine_thread.py``), commits it, and reports the page id back
+  (:meth:`poll_written`) so the block manager may reuse the page;
+- lookup: a local map page hash -> slot, filled by this engine's own commits and
+  by :meth:`prefetch`, which the worker awaits before it queues a request (the
+  kv_store promotes L3 hits into L2 then); every entry is verified against the
+  slot's header in the arena, so a stale entry is only a miss;
+- load-back: copies slots into pool pages under the arena's seqlock, verifying
+  hash and tokens; a page that changed meanwhile is recomputed, never served.
+
+If the kv_store is gone the engine keeps serving: lookups are misses or hit pages
+still mapped, write-back stops for want of leases. :meth:`reconnect` (the
+worker calls it periodically) attaches again and switches to a new arena.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from services.engine.tier_hooks import CacheTierHooks
+from services.kv_store.arena import Arena
+from services.kv_store.policies import make_write_policy
+
+log = logging.getLogger(__name__)
+
+
+def layout_key(kv_pool, model: str = "") -> str:
+    scales = [float(kv_pool.k_scale), float(kv_pool.v_scale)] if kv_pool.is_fp8 else []
+    shape = "x".join(str(d) for d in kv_pool.data.shape[1:])
+    return f"{model}-{shape}-{str(kv_pool.dtype).removeprefix('torch.')}" + "".join(f"-s{s:g}" for s in scales)
+
+
+class HostTierClient(CacheTierHooks):
+    is_tier = True
+
+    def __init__(self, link, *, owner: str, model: str = "", write_policy: str = "write_back",
+                 selective_hits: int = 2, min_load_pages: int = 1, lease_batch: int = 32):
+        self.link, self.owner, self.model = link, owner, model
+        self.policy = make_write_policy(write_policy, selective_hits)
+        self.min_load_pages, self.lease_batch = max(1, min_load_pages), max(1, lease_batch)
+        self.pool = None
+        self.arena: Arena | None = None
+        self.mirror: dict[int, int] = {}  # page hash -> slot in self.arena
+        self._leased: deque[int] = deque()
+        self._refilling = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: deque[tuple[int, bool]] = deque()
+        self._landed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.stats = {k: 0 for k in ("written_back", "write_back_bytes", "loaded_back", "load_back_bytes",
+                                     "hits", "misses", "dropped", "written_sync", "verify_failed", "load_back_seconds")}
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def bind(self, kv_pool) -> None:
+        self.pool = kv_pool
+        self.page_bytes = kv_pool.data[0].numel() * kv_pool.data.element_size()
+        self.layout_key = layout_key(kv_pool, self.model)
+        self._thread = threading.Thread(target=self._copy_loop, name="kvbus-kv-copy", daemon=True)
+        self._thread.start()
+        if self.link.is_local:
+            self.attach_now()
+
+    def attach_request(self) -> dict:
+        return dict(owner=self.owner, layout_key=self.layout_key, page_bytes=self.page_bytes,
+                    page_size=self.pool.page_size, pool_bytes=self.pool.num_bytes, reset_leases=self.arena is None)
+
+    def attach_now(self) -> None:
+        """Attach synchronously (local link, or from the worker's event loop)."""
+        name, layout = self.link.attach(**self.attach_request())
+        self.use_arena(name, layout)
+
+    def use_arena(self, name: str, layout) -> None:
+        if self.arena is not None and self.arena.name == name:
+            return
+        arena = Arena.attach(name, layout)
+        # Copies queued for the old arena still complete against it (each job holds its arena).
+        self.mirror, self._leased, self.arena = {}, deque(), arena
+        self._refilling = False  # a lease asked of the old store may never be answered
+        log.info("HiCache: attached to L2 arena %s (%d slots)", name, layout.num_slots)
+        self._refill()
+
+    @property
+    def is_attached(self) -> bool:
+        return self.arena is not None and self.pool is not None
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    # ---- policy ----------------------------------------------------------------------
+
+    def on_stored(self, page_hash, parent_hash, page_id) -> bool:
+        return self.is_attached and self.policy.on_stored(page_hash)
+
+    def on_hit(self, page_hash, page_id) -> bool:
+        return self.is_attached and self.policy.on_hit(page_hash)
+
+    def wants_write_back(self, page_hash) -> bool:
+        return self.is_attached and self.policy.on_evict(page_hash)
+
+    def on_removed(self, page_hash, page_id, *, clean) -> None:
+        self.policy.forget(page_hash)
+
+    def write_back_sync(self, page_hash, parent_hash, token_ids, page_id) -> None:
+        # The pool ran dry before write-back reached this page: copy it now, on the engine
+        # thread (a memcpy, no bus), or lose it if no slot is at hand.
+        if not self.is_attached or self._in_l2(page_hash):
+            return
+        if len(self._leased) < self.lease_batch // 2:
+            self._refill()
+        if not self._leased:
+            self.stats["dropped"] += 1
+            return
+        self._copy(self.arena, self._leased.popleft(), page_hash, parent_hash, tuple(token_ids), page_id)
+        self.stats["written_sync"] += 1
+
+    # ---- write-back --------------------------------------------------------------------
+
+    def _in_l2(self, page_hash: int) -> bool:
+        slot = self.mirror.get(page_hash)
+        return slot is not None and self.arena.slot_hash(slot) == page_hash
+
+    def write_back(self, page_hash, parent_hash, token_ids, page_id) -> bool:
+        if not self.is_attached:
+            return False
+        if self._in_l2(page_hash):
+            self._land(page_id, True)
+            return True
+        if len(self._leased) < self.lease_batch // 2:
+            self._refill()
+        if not self._leased:
+            return False
+        slot = self._leased.popleft()
+        self._jobs.put((self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id))
+        return True
+
+    def _copy_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._land(job[-1], self._copy(*job))
+
+    def _copy(self, arena, slot, page_hash, parent_hash, tokens, page_id) -> bool:
+        ok = False
+        try:
+            page = self.pool.data[page_id]
+            if page.is_cuda:  # NOTE: a dedicated copy stream would overlap this with the step
+                page = page.to("cpu", non_blocking=False)
+            arena.write(slot, page_hash, tokens, page.view(torch.uint8).reshape(-1).numpy())
+            if arena is self.arena:
+                self.mirror[page_hash] = slot
+            self.link.commit(self.owner, arena.name, [(slot, page_hash, parent_hash)])
+            self.stats["written_back"] += 1
+            self.stats["write_back_bytes"] += self.page_bytes
+            ok = True
+        except Exception:
+            log.exception("write-back of page %d failed", page_id)
+        return ok
+
+    def _land(self, page_id: int, ok: bool) -> None:
+        with self._landed:
+            self._done.append((page_id, ok))
+            self._landed.notify_all()
+
+    def poll_written(self):
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def wait_written(self, timeout: float):
+        with self._landed:
+            self._landed.wait_for(lambda: bool(self._done), timeout)
+        return self.poll_written()
+
+    @property
+    def num_leased(self) -> int:
+        return len(self._leased)
+
+    def _refill(self) -> None:
+        if self._refilling or self.arena is None:
+            return
+        self._refilling = True
+        arena_name = self.arena.name
+
+        def got(slots: list[int] | None) -> None:
+            self._refilling = False
+            if slots and self.arena is not None and self.arena.name == arena_name:
+                self._leased.extend(slots)
+
+        self.link.lease(self.owner, arena_name, self.lease_batch - len(self._leased), got)
+
+    # ---- load-back ---------------------------------------------------------------------
+
+    def remember(self, arena_name: str, hashes: Sequence[int], slots: Sequence[int]) -> None:
+        """Record where L2 holds pages (a lookup reply)."""
+        if self.arena is not None and self.arena.name == arena_name:
+            self.mirror.update(zip(hashes, slots))
+
+    async def prefetch(self, page_hashes: Sequence[int]) -> int:
+        """Before a request is queued: ask the kv_store which leading pages it holds (promoting
+        L3 hits into L2) so that the engine's lookup finds them. Returns how many."""
+        if not self.is_attached or not page_hashes:
+            return 0
+        todo = [h for h in page_hashes]
+        while todo and self._in_l2(todo[0]):
+            todo.pop(0)
+        if not todo:
+            return len(page_hashes)
+        arena_name, hashes, slots = await self.link.lookup_async(todo)
+        self.remember(arena_name, hashes, slots)
+        return len(page_hashes) - len(todo) + len(hashes)
+
+    def lookup(self, page_hashes) -> int:
+        if not self.is_attached:
+            return 0
+        n = 0
+        while n < len(page_hashes) and self._in_l2(page_hashes[n]):
+            n += 1
+        if n < len(page_hashes) and self.link.is_local:  # in-process store: no round trip
+            arena_name, hashes, slots = self.link.lookup(page_hashes[n:])
+            self.remember(arena_name, hashes, slots)
+            while n < len(page_hashes) and self._in_l2(page_hashes[n]):
+                n += 1
+        if n < self.min_load_pages:
+            self.stats["misses"] += 1
+            return 0
+        return n
+
+    def load_back(self, page_hashes, token_ids, page_ids) -> int:
+        t0 = time.perf_counter()
+        n = 0
+        arena = self.arena
+        if arena is None:
+            return 0
+        for h, tokens, page_id in zip(page_hashes, token_ids, page_ids):
+            slot = self.mirror.get(h)
+            page = self.pool.data[page_id]
+            if slot is None:
+                break
+            if page.is_cuda:
+                staging = torch.empty(page.shape, dtype=page.dtype)
+                ok = arena.read_into(slot, h, tokens, staging.view(torch.uint8).reshape(-1).numpy())
+                if ok:
+                    page.copy_(staging)
+            else:
+                ok = arena.read_into(slot, h, tokens, page.view(torch.uint8).reshape(-1).numpy())
+            if not ok:
+                self.stats["verify_failed"] += 1
+                self.mirror.pop(h, None)
+                break
+            n += 1
+        self.stats["hits"] += 1 if n else 0
+        self.stats["loaded_back"] += n
+        self.stats["load_back_bytes"] += n * self.page_bytes
+        self.stats["load_back_seconds"] += time.perf_counter() - t0
+        if n:
+            self.link.touch(list(page_hashes[:n]))
+        return n

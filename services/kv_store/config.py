@@ -1,0 +1,37 @@
+"""Configuration of the kv_store service (one per host)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStoreConfig:
+    host_id: str | None = None
+    """Host this store serves (engines with the same host id map its arena); default: the host name."""
+    hicache_ratio: float = 2.0
+    """L2 size as a multiple of the KV pool of the first engine that attaches (kvbus up gives every engine of a host the same pool); used when hicache_size is unset."""
+    hicache_size: float | None = None
+    """L2 size in GB; overrides hicache_ratio."""
+    memory_reserve: float = 1.0
+    """GB of RAM (and /dev/shm) left free: the store refuses an L2 that would eat into it."""
+    hicache_storage_dir: str | None = None
+    """L3 directory of page files; None: no disk tier."""
+    hicache_storage_size: float = 16.0
+    """Most GB of page files kept in L3 (LRU)."""
+    hicache_l3_admit_hits: int = 1
+    """A page evicted from L2 goes to L3 only if it was hit at least this many times in L2 (0: always)."""
+    max_lease: int = 256
+    """Most empty slots one engine may hold for write-back at once (and never more than 1/16 of the arena)."""
+
+    def __post_init__(self) -> None:
+        if not self.hicache_ratio > 0:
+            raise ConfigError(f"KVStoreConfig.hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_size is not None and not self.hicache_size > 0:
+            raise ConfigError(f"KVStoreConfig.hicache_size must be > 0 GB, got {self.hicache_size}")
+        if self.memory_reserve < 0 or not self.hicache_storage_size > 0:
+            raise ConfigError("KVStoreConfig.memory_reserve must be >= 0 and hicache_storage_size > 0")
+        if self.hicache_l3_admit_hits < 0 or self.max_lease < 1:
+            raise ConfigError("KVStoreConfig.hicache_l3_admit_hits must be >= 0 and max_lease >= 1")

@@ -1,0 +1,154 @@
+"""The kv_store actor with two engine workers on the in-memory bus.
+
+Pages written back by one worker are loaded by the other (through the shared
+arena; the bus carries only metadata), KV events arrive in order with
+monotonic ids, and a kv_store that dies leaves the workers serving (by
+recomputing) until a new one starts, when hits resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+
+from bus.memory import MemoryNetwork, memory_bus
+from bus.subjects import KV_EVENTS, KV_EVENTS_DUMP, WORKER_GENERATE
+from schemas.engine import SamplingParams
+from schemas.kv_store import KVDumpRequest
+from schemas.worker import WorkerGenerateRequest
+from services.kv_store.actor import KVStoreActor
+from services.kv_store.config import KVStoreConfig
+from services.workers import WorkerConfig
+from services.workers.actor import WorkerActor
+
+pytestmark = pytest.mark.anyio
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = [random.Random(7).randrange(100, 20000) for _ in range(70)]  # 4 full pages + 6 tokens
+
+
+async def wait_for(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def config(model_dir):
+    return WorkerConfig(model=str(model_dir), kv_cache_memory=0.02, max_running_requests=2, load_tokenizer=False,
+                        hicache=True, hicache_write_policy="write_through", hicache_reconnect_interval=0.05,
+                        hicache_timeout=5.0, host_id="test-host")
+
+
+@pytest.fixture(scope="module")
+def reference(config):
+    from services.engine import LLMEngine
+
+    engine = LLMEngine(config.engine_config.replace(enable_prefix_caching=False))
+    return engine.generate_sync([PROMPT], GREEDY)[0].token_ids
+
+
+async def start_store(network, worker_id="kv_store-0"):
+    bus = memory_bus(network)
+    store = KVStoreActor(KVStoreConfig(host_id="test-host", hicache_size=0.1, memory_reserve=0.0),
+                         worker_id=worker_id)
+    await store.start(bus)
+    return store, bus
+
+
+async def stop(actor, bus):
+    await bus.close()
+    await actor.stop()
+
+
+@pytest.fixture
+async def system(config):
+    network = MemoryNetwork()
+    store, store_bus = await start_store(network)
+    workers, buses = [], []
+    for wid in ("worker-a", "worker-b"):
+        bus = memory_bus(network)
+        worker = WorkerActor(config, worker_id=wid)
+        await worker.start(bus)
+        workers.append(worker)
+        buses.append(bus)
+    client = memory_bus(network)
+    state = {"store": store, "store_bus": store_bus}
+    yield network, state, workers, client
+    for worker, bus in zip(workers, buses):
+        await stop(worker, bus)
+    if state["store"] is not None:
+        await stop(state["store"], state["store_bus"])
+    await client.close()
+
+
+async def generate(client, worker_id: str) -> list[int]:
+    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=GREEDY)
+    out: list[int] = []
+    async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
+        async for chunk in chunks:
+            out += chunk.token_ids
+    return out
+
+
+async def test_pages_from_one_worker_load_in_another_with_kv_events(system, reference):
+    network, state, (a, b), client = system
+    store = state["store"]
+    batches = []
+
+    async def on_event(batch):
+        batches.append(batch)
+
+    await client.subscribe(KV_EVENTS, on_event)
+    await wait_for(lambda: a.tier.is_attached and b.tier.is_attached, what="workers attached")
+    assert await generate(client, "worker-a") == reference
+    await wait_for(lambda: store.core.index.num_stored >= 4, what="write-through commits")
+    assert await generate(client, "worker-b") == reference
+    assert b.tier.stats["loaded_back"] == 4  # (70 - 1) // 16 pages, none recomputed
+    assert b.engine.stats.num_prefill_tokens == len(PROMPT) - 4 * 16
+    # KV events: device pages of both workers and the host tier of the store, ids 1, 2, 3... per publisher
+    await wait_for(lambda: {x.worker_id for x in batches} >= {"worker-a", "worker-b", "kv_store-0"}, what="events")
+    by_pub: dict[str, list[int]] = {}
+    for batch in batches:
+        by_pub.setdefault(batch.worker_id, []).append(batch.event_id)
+        assert all(len(e.page_hashes) == len(e.parent_hashes) for e in batch.events)
+    for ids in by_pub.values():
+        assert ids == list(range(1, len(ids) + 1))
+    host = [h for x in batches if x.worker_id == "kv_store-0" for e in x.events if e.tier == "host"
+            and e.kind == "stored" for h in e.page_hashes]
+    device = [h for x in batches if x.worker_id == "worker-a" for e in x.events if e.tier == "device"
+              and e.kind == "stored" for h in e.page_hashes]
+    assert host == device[:4]
+    dump = await client.request(KV_EVENTS_DUMP, KVDumpRequest(), worker_id="kv_store-0")
+    assert set(dump.events[0].page_hashes) == set(host)
+    dump_a = await client.request(KV_EVENTS_DUMP, KVDumpRequest(), worker_id="worker-a")
+    assert set(dump_a.events[0].page_hashes) == set(device)
+    store.core.index.check()
+
+
+async def test_store_dies_workers_recompute_then_hits_resume(system, reference):
+    network, state, (a, b), client = system
+    await wait_for(lambda: a.tier.is_attached and b.tier.is_attached, what="workers attached")
+    old_arena = a.tier.arena.name
+    await stop(state["store"], state["store_bus"])
+    state["store"] = None
+    b.engine.block_manager.evict_all_cached()
+    for _ in range(2):  # still served, token for token: pages still mapped are verified, the rest recomputed
+        assert await generate(client, "worker-b") == reference
+        b.engine.block_manager.evict_all_cached()
+    assert not b.tier.link.healthy
+    loaded = b.tier.stats["loaded_back"]
+    store, store_bus = await start_store(network, "kv_store-1")
+    state["store"], state["store_bus"] = store, store_bus
+    await wait_for(lambda: a.tier.arena.name != old_arena and b.tier.arena.name == a.tier.arena.name,
+                   what="re-attach to the new arena")
+    assert await generate(client, "worker-a") == reference
+    await wait_for(lambda: store.core.index.num_stored >= 4, what="write-through commits")
+    b.engine.block_manager.evict_all_cached()
+    assert await generate(client, "worker-b") == reference
+    assert b.tier.stats["loaded_back"] == loaded + 4

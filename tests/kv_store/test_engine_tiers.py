@@ -1,0 +1,209 @@
+"""HiCache through the real engine: greedy output identical with L1 hits, L2 hits and across engines.
+
+The engines get a tiny KV pool (10 pages of 16 tokens) so L1 evicts; the kv_store
+core runs in process (LocalLink), the data path is the real shared-memory arena.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from schemas.engine import SamplingParams
+from services.engine import EngineConfig, LLMEngine
+from services.engine.kv_pool import kv_bytes_per_page
+from services.kv_store.client import HostTierClient
+from services.kv_store.config import KVStoreConfig
+from services.kv_store.links import LocalLink
+from services.kv_store.store import StoreCore
+
+PAGE = 16
+NUM_PAGES = 10
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, length: int = 60, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 20000) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def page_gb(model_dir):
+    from services.engine.model_config import ModelConfig
+    import torch
+
+    return kv_bytes_per_page(ModelConfig.from_dir(model_dir), PAGE, torch.float32) / 1024**3
+
+
+def make_engine(model_dir, page_gb, hooks=None, **kw) -> LLMEngine:
+    kw.setdefault("max_running_requests", 2)
+    cfg = EngineConfig(model=str(model_dir), kv_cache_memory=page_gb * NUM_PAGES * 1.001, page_size=PAGE,
+                       load_tokenizer=False, **kw)
+    return LLMEngine(cfg, tier_hooks=hooks)
+
+
+def run(engine: LLMEngine, prompt: list[int], rid: str = ""):
+    return engine.generate_sync([prompt], GREEDY)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, page_gb):
+    engine = make_engine(model_dir, page_gb, enable_prefix_caching=False)
+    ps = prompts(4)
+    return ps, [run(engine, p, f"ref{i}").token_ids for i, p in enumerate(ps)]
+
+
+@pytest.fixture()
+def core():
+    core = StoreCore(KVStoreConfig(hicache_size=0.1, memory_reserve=0.0))
+    yield core
+    core.close()
+
+
+def test_l2_hits_after_l1_eviction_are_identical(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    client = HostTierClient(LocalLink(core), owner="e1")
+    engine = make_engine(model_dir, page_gb, client)
+    first = [run(engine, p, f"a{i}") for i, p in enumerate(ps)]
+    assert [c.token_ids for c in first] == ref  # cold
+    assert engine.block_manager.num_evictions > 0  # 4 prompts x 4 pages do not fit 10 pages
+    assert core.index.num_stored > 0
+    again = run(engine, ps[0], "b0")  # its pages left L1 long ago
+    assert again.token_ids == ref[0]
+    assert client.stats["loaded_back"] >= 3
+    assert again.usage.cached_prompt_tokens >= 3 * PAGE
+    assert again.usage.cached_tokens_host == client.stats["loaded_back"] * PAGE  # loaded by this request only
+    assert again.usage.cached_tokens_device + again.usage.cached_tokens_host == again.usage.cached_prompt_tokens
+    hot = run(engine, ps[0], "c0")  # now an L1 hit
+    assert hot.token_ids == ref[0]
+    assert hot.usage.cached_tokens_device == 3 * PAGE and hot.usage.cached_tokens_host == 0
+    core.index.check()
+
+
+def test_pages_written_by_one_engine_are_loaded_by_another(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    c1 = HostTierClient(LocalLink(core), owner="e1", write_policy="write_through")
+    e1 = make_engine(model_dir, page_gb, c1)
+    assert run(e1, ps[1], "x").token_ids == ref[1]
+    e1.block_manager.wait_for_copies()
+    c2 = HostTierClient(LocalLink(core), owner="e2")
+    e2 = make_engine(model_dir, page_gb, c2)
+    out = run(e2, ps[1], "y")
+    assert out.token_ids == ref[1]
+    assert c2.stats["loaded_back"] == (len(ps[1]) - 1) // PAGE
+    core.index.check()
+
+
+def test_a_page_changed_in_l2_is_recomputed_not_served(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    c1 = HostTierClient(LocalLink(core), owner="e1", write_policy="write_through")
+    e1 = make_engine(model_dir, page_gb, c1)
+    run(e1, ps[2], "x")
+    e1.block_manager.wait_for_copies()
+    # Every L2 slot of that prompt now holds something else (as if evicted and refilled).
+    for page in core.index.stored.values():
+        core.arena.invalidate(page.slot)
+    e1.block_manager.evict_all_cached()
+    out = run(e1, ps[2], "y")
+    assert out.token_ids == ref[2]
+    assert c1.stats["loaded_back"] == 0
+
+
+def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core):
+    """200 requests (CI size; the issue asks for 1,000 on a quiet machine: set KVBUS_LEAK_REQUESTS),
+    shared prefixes, seeded random aborts; then every tier's counts add up."""
+    import os
+
+    rng = random.Random(1234)
+    n = int(os.environ.get("KVBUS_LEAK_REQUESTS", "200"))
+    bases = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(5)]
+    client = HostTierClient(LocalLink(core), owner="e1")
+    from services.engine.model_config import ModelConfig
+    import torch
+
+    page_gb = kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
+    engine = make_engine(tiny_model, page_gb, client, max_running_requests=4)
+    live: list[str] = []
+    for i in range(n):
+        base = bases[rng.randrange(len(bases))]
+        prompt = base[: rng.randrange(17, len(base) + 1)] + [rng.randrange(3, 320) for _ in range(rng.randrange(1, 8))]
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=rng.randrange(1, 4), temperature=0.0))
+        live.append(rid)
+        if rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for _ in range(rng.randrange(0, 3)):
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    bm = engine.block_manager
+    bm.wait_for_copies()
+    engine.step()
+    assert engine.num_running == engine.num_waiting == 0
+    assert bm.num_free_pages == bm.num_pages and bm.num_copying == 0
+    assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
+    assert client.stats["written_back"] > 0 and client.stats["loaded_back"] > 0
+    core.index.check()
+    assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
+
+
+def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(model_dir, page_gb, reference, tmp_path):
+    ps, ref = reference
+    cfg = KVStoreConfig(hicache_size=page_gb * 4, memory_reserve=0.0, hicache_storage_dir=str(tmp_path),
+                        hicache_l3_admit_hits=0)
+    core = StoreCore(cfg)
+    # write_through: pages reach L2 as computed (write_back would leave the last ones in L1 only,
+    # and L1 and L2 are memory: a restart loses them, by design).
+    engine = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1", write_policy="write_through"))
+    for i in range(4):  # 16 pages through 4 L2 slots: the oldest spill to L3
+        assert run(engine, ps[i]).token_ids == ref[i]
+    assert core.counters["spilled_disk"] > 0
+    core.close()
+    restarted = StoreCore(cfg)  # re-indexes the directory on attach
+    client = HostTierClient(LocalLink(restarted), owner="e2")
+    fresh = make_engine(model_dir, page_gb, client)
+    on_disk = set(restarted.disk.pages)
+    from services.engine.page_hash import page_hashes
+
+    hashes = page_hashes(ps[0], PAGE)
+    assert hashes[0] in on_disk
+    out = run(fresh, ps[0])
+    assert out.token_ids == ref[0] and client.stats["loaded_back"] >= 1 and restarted.counters["hits_disk"] >= 1
+    # A corrupted page file is dropped and recomputed, never served.
+    victim = next(h for h in page_hashes(ps[1], PAGE)[:1] if h in restarted.disk)
+    path = restarted.disk.dir / f"{victim:016x}.kvp"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    loaded = client.stats["loaded_back"]
+    assert run(fresh, ps[1]).token_ids == ref[1]
+    assert restarted.disk.num_corrupted == 1 and client.stats["loaded_back"] == loaded
+    restarted.close()
+
+
+@pytest.mark.parametrize("policy,after_first,after_hits", [
+    ("write_back", 0, 0),  # nothing evicted yet: nothing copied
+    ("write_through", 4, 4),  # every page as computed (the 4th fills while decoding)
+    ("write_through_selective", 0, 3),  # after 2 L1 hits of each page
+])
+def test_write_policies_are_observable(tiny_model, core, policy, after_first, after_hits):
+    from services.engine.model_config import ModelConfig
+    import torch
+
+    page_gb = kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
+    client = HostTierClient(LocalLink(core), owner=policy, write_policy=policy, selective_hits=2)
+    engine = make_engine(tiny_model, page_gb * 4, client)  # 40 pages: no eviction here
+    engine.block_manager.write_back_window = 0  # only the policy's own moments copy
+    prompt = [random.Random(5).randrange(3, 320) for _ in range(60)]  # 3 cacheable pages
+    run(engine, prompt)
+    engine.step()
+    engine.block_manager.wait_for_copies()
+    assert client.stats["written_back"] == after_first
+    for _ in range(2):
+        run(engine, prompt)
+    engine.block_manager.wait_for_copies()
+    assert client.stats["written_back"] == after_hits
+    assert engine.block_manager.num_evictions == 0
