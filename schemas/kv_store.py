@@ -95,7 +95,7 @@ class KVEventBatchEvent(msgspec.Struct, frozen=True, kw_only=True):
     events: list[KVEvent]
 
 
-class KVDumpRequest(msgspec.Struct, frozen=True, kw_only=True):
+class KVDumpRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass
 
 

@@ -37,6 +37,8 @@ from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import (
     ALL_SUBJECTS,
     CANCEL,
+    KV_EVENTS,
+    KV_EVENTS_DUMP,
     GENERATE,
     GENERATE_ONCE,
     HEALTH,
@@ -452,6 +454,7 @@ SURFACES: list[Surface] = [
     _nats(TOKENIZER_INFO, EMPTY_BODY),
     _nats(HEALTH, EMPTY_BODY, role="gateway"),
     _nats(WORKER_HEALTH, EMPTY_BODY, role="worker", worker_id="worker-0"),
+    _nats(KV_EVENTS_DUMP, EMPTY_BODY, worker_id="worker-0"),
     _http_post("/v1/completions", COMPLETION_BODY, lambda text: {"prompt": text, "max_tokens": 1}),
     _http_post("/v1/chat/completions", CHAT_COMPLETION_BODY,
                lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
@@ -463,6 +466,10 @@ SURFACES: list[Surface] = [
 assert {s.template for s in ALL_SUBJECTS if s.public} == {
     GENERATE.template, GENERATE_ONCE.template, TOKENIZER_ENCODE.template, TOKENIZER_DECODE.template,
     TOKENIZER_CHAT.template, TOKENIZER_INFO.template, HEALTH.template, WORKER_HEALTH.template,
+    KV_EVENTS_DUMP.template,
+    # KV events flow out of kvbus (engines and the kv_store publish, consumers subscribe); no
+    # kvbus service subscribes to them yet, so there is nothing to feed garbage to.
+    KV_EVENTS.template,
 }, "a public subject was added: give it a fuzz surface here"
 
 
