@@ -297,13 +297,13 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                              "--num-speculative-tokens", str(args.num_speculative_tokens)]
                     if args.draft_model:
                         argv += ["--draft-model", args.draft_model]
+                if getattr(args, "hicache", False):
+                    argv += ["--hicache", "--hicache-write-policy", args.hicache_write_policy]
             if role == "draft":
                 argv += ["--model", str(model_dir), "--speculative-method", args.speculative,
                          "--num-speculative-tokens", str(args.num_speculative_tokens)]
                 if args.draft_model:
                     argv += ["--draft-model", args.draft_model]
-                if getattr(args, "hicache", False):
-                    argv += ["--hicache", "--hicache-write-policy", args.hicache_write_policy]
             if role == "kv_store":
                 argv += ["--hicache-ratio", str(args.hicache_ratio), "--hicache-l3-admit-hits",
                          str(args.hicache_l3_admit_hits)]

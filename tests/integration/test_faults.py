@@ -166,7 +166,9 @@ async def test_sigterm_drains_a_worker_which_hands_its_stream_off_and_exits_0(sy
     try:
         await wait_for(lambda: all_ready(bus), 120, "both workers ready")
         before = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
-        long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+        # 400 tokens on one thread take well over the 5 s drain (>= 30 ms a token for the default
+        # model on one core), however fast the machine: 160 finished inside it once the kernels got faster
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         got: list[int] = []
         victim_pid = None
         async with bus.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=long), timeout=120) as chunks:
@@ -178,7 +180,7 @@ async def test_sigterm_drains_a_worker_which_hands_its_stream_off_and_exits_0(sy
                     [victim] = [wid for wid, d in states.items() if d.get("running") == "1"]
                     victim_pid = pid_of(system, victim)
                     os.kill(victim_pid, signal.SIGTERM)
-        assert len(got) == 160 and usage.completion_tokens == 160
+        assert len(got) == 400 and usage.completion_tokens == 400
         after = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
         assert after == before + 1, "the stream was not handed off"
         await wait_for(lambda: asyncio.sleep(0, f"{victim} (pid {victim_pid}) exited with" in system.log(400)),

@@ -42,14 +42,19 @@ def _matches(pattern: str, subject: str) -> bool:
 
 
 def test_client_role_may_publish_every_public_subject_and_no_internal_one():
+    # Public events (reply None) flow out of kvbus: a client may subscribe to them, never publish one.
     text = AUTH_CONF.read_text()
     client_block = text[text.index("CLIENT = {"):]
     publish = re.search(r"publish:\s*\{\s*allow:\s*\[(.*?)\]", client_block, re.S).group(1)
+    subscribe = re.search(r"subscribe:\s*\{\s*allow:\s*\[(.*?)\]", client_block, re.S).group(1)
     allowed = re.findall(r'"([^"]+)"', publish)
+    listens = [p for p in re.findall(r'"([^"]+)"', subscribe) if not p.startswith("_INBOX")]
     for subject in ALL_SUBJECTS:
         name = subject.template.format(**{f: "x" for f in subject.fields})
+        is_outbound_event = subject.public and subject.reply is None
         may = any(_matches(p, name) for p in allowed)
-        assert may == (subject.public or subject is CANCEL), (subject.template, allowed)
+        assert may == ((subject.public and not is_outbound_event) or subject is CANCEL), (subject.template, allowed)
+        assert any(_matches(p, name) for p in listens) == is_outbound_event, (subject.template, listens)
 
 
 @pytest.fixture(scope="module")

@@ -125,10 +125,18 @@ def test_remote_drafter_killed_mid_stream(model_dir, prompts):
                 bus = await connect(BusConfig(nats_url=cluster.nats_url, request_timeout=120))
                 try:
                     await _wait_ready(bus, "draft", "draft-x")
-                    warm = await _stream(bus, prompts[0], long)  # the service is used
-                    detail = (await bus.request(WORKER_HEALTH, HealthRequest(), role="worker",
-                                                worker_id="worker-0")).detail
-                    assert int(detail["spec_accepted"]) > 0, detail
+                    # The worker's first call (kvbus up's smoke request, before this service
+                    # existed) timed out and put it in a 2 s backoff: stream until the service
+                    # has drafted accepted tokens, within a deadline.
+                    until = time.monotonic() + 120
+                    while True:
+                        warm = await _stream(bus, prompts[0], long)  # the service is used
+                        assert warm == want
+                        detail = (await bus.request(WORKER_HEALTH, HealthRequest(), role="worker",
+                                                    worker_id="worker-0")).detail
+                        if int(detail["spec_accepted"]) > 0:
+                            break
+                        assert time.monotonic() < until, detail
 
                     def kill_at_some_point(n: int) -> None:
                         if n >= 8 and draft.poll() is None:
