@@ -53,10 +53,7 @@ def _launch(q, k_cache, v_cache, block_tables, cu, seq_lens, scale, k_scale, v_s
             k_scale.float().contiguous() if is_fp8 else None, v_scale.float().contiguous() if is_fp8 else None, out,
         )
     except RuntimeError as exc:
-        msg = str(exc)
-        if "kvbus: " not in msg:
-            raise
-        raise ValueError(msg.split("kvbus: ", 1)[1].splitlines()[0]) from None
+        raise native.as_value_error(exc) from None
     return out
 
 

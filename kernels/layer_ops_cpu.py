@@ -19,13 +19,6 @@ from kernels.paged_store import check_store_kv
 from kernels.rotary import check_rotary
 
 
-def _native_error(exc: RuntimeError) -> ValueError | RuntimeError:
-    msg = str(exc)
-    if "kvbus: " not in msg:
-        return exc
-    return ValueError(msg.split("kvbus: ", 1)[1].splitlines()[0])
-
-
 def store_kv_ok(k, v, k_cache, v_cache, *_args, **_kwargs) -> bool:
     return (
         not k.is_cuda
@@ -44,7 +37,7 @@ def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=Non
     try:
         native.ops().store_kv(k, v, k_cache, v_cache, slot_mapping.long())
     except RuntimeError as exc:
-        raise _native_error(exc) from None
+        raise native.as_value_error(exc) from None
 
 
 def rotary_ok(q, k, positions, cos_sin_cache) -> bool:
@@ -63,7 +56,7 @@ def apply_rotary_cpu(q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torc
         try:
             native.ops().rotary(q, k, positions.long(), cos_sin_cache.contiguous(), q_out, k_out)
         except RuntimeError as exc:
-            raise _native_error(exc) from None
+            raise native.as_value_error(exc) from None
     return q_out, k_out
 
 

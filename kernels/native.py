@@ -98,6 +98,15 @@ def ops(verbose: bool = False):
     return _state["ops"]
 
 
+def as_value_error(exc: RuntimeError) -> Exception:
+    """A native op's own check (message "kvbus: ...") as the ValueError the references raise;
+    any other RuntimeError unchanged."""
+    msg = str(exc)
+    if "kvbus: " not in msg:
+        return exc
+    return ValueError(msg.split("kvbus: ", 1)[1].splitlines()[0])
+
+
 def available() -> bool:
     return ops() is not None
 

@@ -22,6 +22,17 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvbus-"
 
 
+def pid_of(system, worker_id: str) -> int:
+    """Pid of the service ``worker_id`` that a :class:`services.local_system.LocalSystem` started."""
+    import psutil
+
+    for child in psutil.Process(system.proc.pid).children(recursive=True):
+        cmd = child.cmdline()
+        if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == worker_id:
+            return child.pid
+    raise LookupError(worker_id)
+
+
 def shm_segments() -> set[str]:
     try:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX)}

@@ -71,18 +71,23 @@ def reference(model_dir, prompts):
     return [(c.token_ids, c.logprobs) for c in engine.generate_sync(prompts, GREEDY)]
 
 
+def assert_near_tie(want: list[int], logprobs, got: list[int], label: str) -> bool:
+    """``got`` equals ``want`` (True), or first differs at a near-tie of the reference (False);
+    anything else fails: a gap, a repeat, another length, a real divergence."""
+    if got == want:
+        return True
+    k = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    assert k < min(len(want), len(got)), f"{label}: lengths differ {len(want)} vs {len(got)}"
+    top = dict(zip(logprobs[k].top_token_ids, logprobs[k].top_logprobs))
+    assert got[k] in top and abs(top[want[k]] - top[got[k]]) < TIE_LOGPROB, (
+        f"{label} differs at token {k}: {got[k]} instead of {want[k]} (reference top: {top})")
+    return False
+
+
 def assert_same_greedy_tokens(reference, outputs, label: str) -> None:
     """Token-identical, except at a near-tie of the reference (see the module NOTE)."""
-    num_whole = 0
-    for i, ((want, logprobs), got) in enumerate(zip(reference, outputs)):
-        if got == want:
-            num_whole += 1
-            continue
-        k = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-        assert k < min(len(want), len(got)), f"{label} prompt {i}: lengths differ {len(want)} vs {len(got)}"
-        top = dict(zip(logprobs[k].top_token_ids, logprobs[k].top_logprobs))
-        assert got[k] in top and abs(top[want[k]] - top[got[k]]) < TIE_LOGPROB, (
-            f"{label} prompt {i} differs at token {k}: {got[k]} instead of {want[k]} (reference top: {top})")
+    num_whole = sum(assert_near_tie(want, logprobs, got, f"{label} prompt {i}")
+                    for i, ((want, logprobs), got) in enumerate(zip(reference, outputs)))
     assert num_whole >= len(outputs) - 2, f"{label}: only {num_whole}/{len(outputs)} prompts match whole"
 
 

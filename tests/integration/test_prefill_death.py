@@ -12,7 +12,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from bus.nats_transport import BusConfig, connect
@@ -21,19 +20,12 @@ from schemas.common import HealthRequest
 from schemas.engine import SamplingParams
 from schemas.generate import GenerateRequest
 from services.local_system import LocalSystem
-from tests.leaks import Snapshot, engine_states
+from tests.leaks import Snapshot, engine_states, pid_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 WORKERS = [("prefill", "prefill-0"), ("decode", "decode-0")]
 PROMPT = "Summarize the history of the river city and its bridges, " * 12  # well above min_disagg_tokens
 
-
-def pid_of(system: LocalSystem, worker_id: str) -> int:
-    for child in psutil.Process(system.proc.pid).children(recursive=True):
-        cmd = child.cmdline()
-        if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == worker_id:
-            return child.pid
-    raise LookupError(worker_id)
 
 
 async def test_a_frozen_then_killed_prefill_worker_costs_seconds_and_is_restarted(model_dir):
