@@ -102,8 +102,13 @@ def cmd_call(argv: list[str]) -> int:
     parser.add_argument("subject", help="e.g. kvbus.v1.tokenizer.encode")
     parser.add_argument("json", nargs="?", default="{}", help="request body as JSON")
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", BusConfig.nats_url))
+    cfg.add_arguments(parser, BusConfig)  # --nats-url, and the credentials of an API caller (--nats-user ...)
     args = parser.parse_args(argv)
+    try:
+        bus_config = bus_config_from(args)
+    except cfg.ConfigError as exc:
+        print(f"kvbus call: {exc}", file=sys.stderr)
+        return 2
     from bus.subjects import subject_for_name
 
     try:
@@ -125,7 +130,11 @@ def cmd_call(argv: list[str]) -> int:
         except BusError as exc:
             print(f"kvbus call: {exc.message}", file=sys.stderr)
             return 2
-        bus = await connect(BusConfig(nats_url=args.nats_url))
+        try:
+            bus = await connect(bus_config)
+        except BusError as exc:  # wrong URL or credentials: say so, no traceback
+            print(f"kvbus call: {exc.message}", file=sys.stderr)
+            return 1
         try:
             if subject.streamed:
                 async with bus.stream(subject, request, timeout=args.timeout, **params) as chunks:

@@ -16,6 +16,7 @@ from bus.subjects import ALL_SUBJECTS, CANCEL, HEALTH, ROUTE, WORKER_HEARTBEAT
 from schemas.common import HealthReply, HealthRequest
 from schemas.worker import RouteReply, RouteRequest, WorkerHeartbeatEvent, WorkerLoad
 from services.natsd import local_nats_server
+from tests.nats_conf import subject_matches as _matches
 
 pytestmark = pytest.mark.anyio
 
@@ -28,17 +29,6 @@ CLIENT = dict(nats_user="kvbus-client", nats_password="CHANGE-ME-client")
 def _needs_nats_server():
     if shutil.which("nats-server") is None:
         pytest.skip("needs nats-server: `apt-get install -y nats-server`")
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard match: ``*`` one token, ``>`` one or more trailing tokens."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def test_client_role_may_publish_every_public_subject_and_no_internal_one():
