@@ -349,7 +349,8 @@ async def test_a_real_kvbus_system_serves_a_client_of_another_account(accounts_s
 
             await client.subscribe(KV_EVENTS, on_events)
             await client.flush()
-            request = GenerateRequest(prompt="The capital of France is",
+            # A prompt of several full KV pages: the worker publishes their hashes as KV events.
+            request = GenerateRequest(prompt="A client in another account asks about rivers. " * 12,
                                       sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
             async with client.stream(GENERATE, request, timeout=120) as chunks:
                 got = [chunk async for chunk in chunks]
