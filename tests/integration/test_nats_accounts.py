@@ -331,15 +331,33 @@ async def test_the_system_account_monitors_the_server_and_only_it(accounts_serve
             await bus.close()
 
 
+def test_the_server_config_with_accounts_included_is_valid(tmp_path):
+    """deploy/nats/nats-server.conf with its ``include ./accounts.conf`` line uncommented, as documented."""
+    if shutil.which("nats-server") is None:
+        pytest.skip("needs nats-server: `apt-get install -y nats-server`")
+    server_conf = (ROOT / "deploy/nats/nats-server.conf").read_text()
+    assert "# include ./accounts.conf\n" in server_conf
+    (tmp_path / "nats-server.conf").write_text(server_conf.replace("# include ./accounts.conf", "include ./accounts.conf"))
+    shutil.copy(ACCOUNTS_CONF, tmp_path / "accounts.conf")
+    check = subprocess.run(["nats-server", "-c", str(tmp_path / "nats-server.conf"), "-t"], capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0 and "is valid" in check.stdout + check.stderr, check.stdout + check.stderr
+
+
 @pytest.mark.slow
-async def test_a_real_kvbus_system_serves_a_client_of_another_account(accounts_server, model_dir):
+@pytest.mark.parametrize("layout", [
+    ("--aggregated",),
+    # Prefill and decode workers, the KV pages sent over NATS (kvbus.v1.kv.*) as kvbus-service too.
+    ("--prefill", "1", "--decode", "1", "--kv-transfer", "nats"),
+], ids=["aggregated", "disaggregated"])
+async def test_a_real_kvbus_system_serves_a_client_of_another_account(accounts_server, model_dir, layout):
     """``kvbus up`` against the accounts config, every service as kvbus-service (KVBUS_NATS_USER/_PASSWORD)."""
     from transformers import AutoTokenizer
 
     from services.local_system import LocalSystem
 
     env = {"KVBUS_NATS_USER": SERVICE["nats_user"], "KVBUS_NATS_PASSWORD": SERVICE["nats_password"]}
-    with LocalSystem("--aggregated", "--nats-url", accounts_server, "--num-threads", "1",
+    with LocalSystem(*layout, "--nats-url", accounts_server, "--num-threads", "1",
                      model_dir=model_dir, env=env) as system:
         client = await connect(BusConfig(nats_url=accounts_server, request_timeout=120, **CLIENT))
         events: list[KVEventBatchEvent] = []
@@ -355,6 +373,8 @@ async def test_a_real_kvbus_system_serves_a_client_of_another_account(accounts_s
             async with client.stream(GENERATE, request, timeout=120) as chunks:
                 got = [chunk async for chunk in chunks]
             assert sum(len(c.token_ids) for c in got) == 8 and got[-1].finish_reason == "length", system.log(40)
+            if "--prefill" in layout:  # the prompt went through the prefill worker and its pages over NATS
+                assert "prefill_call_s" in (got[0].timings or {}), got[0].timings
             await _until(lambda: events, "a KV event from the worker")
             dump = await client.request(KV_EVENTS_DUMP, KVDumpRequest(), timeout=WAIT_S, worker_id=events[0].worker_id)
             assert dump.worker_id == events[0].worker_id and dump.events
