@@ -337,7 +337,8 @@ def test_the_server_config_with_accounts_included_is_valid(tmp_path):
         pytest.skip("needs nats-server: `apt-get install -y nats-server`")
     server_conf = (ROOT / "deploy/nats/nats-server.conf").read_text()
     assert "# include ./accounts.conf\n" in server_conf
-    (tmp_path / "nats-server.conf").write_text(server_conf.replace("# include ./accounts.conf", "include ./accounts.conf"))
+    enabled = server_conf.replace("# include ./accounts.conf", "include ./accounts.conf")
+    (tmp_path / "nats-server.conf").write_text(enabled)
     shutil.copy(ACCOUNTS_CONF, tmp_path / "accounts.conf")
     check = subprocess.run(["nats-server", "-c", str(tmp_path / "nats-server.conf"), "-t"], capture_output=True,
                            text=True, timeout=30)
