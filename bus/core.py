@@ -413,7 +413,10 @@ class Bus:
                     task.uncancel()
                     error = Unavailable(f"{subject.template}: stream cancelled, its caller looked gone "
                                         f"(request id {request_id})")
-                    await self._reply(raw, b"", {**base, **error.to_headers()})
+                    try:
+                        await self._reply(raw, b"", {**base, **error.to_headers()})
+                    except Exception:  # our own connection going too: there was nobody to tell
+                        log.debug("could not send the last word of %s", request_id, exc_info=True)
             except BusError as exc:
                 tracing.mark_error(span, exc.code.value, exc.message)
                 await self._reply(raw, b"", {**base, **exc.to_headers()})

@@ -7,10 +7,12 @@ import asyncio
 import time
 
 from bus.core import STREAM_HEADER, Bus
-from bus.errors import BusError
+from bus.errors import BusError, NoResponders
 from bus.transport import header
 from schemas.common import EchoChunk, EchoRequest
 
+CALLER_GONE = {"NoResponders", "gone"}
+"""Probe outcomes that cancel a stream; a live caller's probes are "alive", or (a loaded machine) "Timeout"."""
 WAIT_S = 30.0
 """Generous bound for conditions: the machine is shared and may be loaded."""
 
@@ -65,3 +67,21 @@ class Endless:
         except asyncio.CancelledError:
             self.is_cancelled = True
             raise
+
+
+async def open_stream(client: Bus, subject, request, **params):
+    """``client.stream(...)`` and its first chunk, retried while nobody seems to listen yet.
+
+    NOTE: nats-server (2.9) may answer "no responders" for a millisecond or two after another
+    connection's subscription was flushed, when connections closed just before (as between tests);
+    the subscription being visible is the condition waited on here.
+    """
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        stream = client.stream(subject, request, **params)
+        try:
+            return stream, await anext(stream)
+        except NoResponders:
+            await stream.aclose()
+            assert time.monotonic() < deadline, f"nobody listens on {subject.template}"
+            await asyncio.sleep(0.01)
