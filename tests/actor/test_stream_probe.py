@@ -16,6 +16,7 @@ import time
 import pytest
 
 from bus.core import PROBE_TIMEOUT, SEQ_HEADER, STREAM_HEADER
+from bus.errors import NoResponders, Unavailable
 from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import DEBUG_STREAM
 from bus.transport import PROBE, header
@@ -142,6 +143,25 @@ async def test_probes_never_reach_a_bus_caller_as_chunks(buses):
     assert got == list(range(len(got))) and "alive" in probes.outcomes
     assert not CALLER_GONE & set(probes.outcomes), probes.outcomes
     await wait_until(lambda: handler.is_cancelled, "the handler cancelled by the CancelEvent")
+
+
+async def test_a_caller_that_only_looked_gone_learns_at_once(buses):
+    """A probe that lands while the caller reconnects finds no responders: the stream is cancelled, and
+    its last word, unavailable, reaches the caller once it is back, instead of a stall."""
+    server, client = buses
+
+    async def in_the_reconnect_gap(subject, data, headers, timeout):
+        raise NoResponders("nobody is listening (a reconnect's gap)")
+
+    server.transport.request = in_the_reconnect_gap
+    handler = Endless()
+    await server.serve(DEBUG_STREAM, handler)
+    got = []
+    with pytest.raises(Unavailable, match="looked gone"):
+        async with client.stream(DEBUG_STREAM, EchoRequest()) as chunks:
+            async for chunk in chunks:
+                got.append(chunk.index)
+    assert handler.is_cancelled and got == list(range(len(got)))
 
 
 async def test_probing_off_and_bad_intervals():
