@@ -138,6 +138,50 @@ async def test_a_plain_nats_subscriber_that_ignores_probes_gets_every_chunk(make
     assert "NoResponders" not in probes.outcomes and "gone" not in probes.outcomes
 
 
+@pytest.mark.parametrize("kind", ["memory", "nats"])
+async def test_transport_request_tells_no_responders_from_silence(kind, make_bus):
+    """The probe's one transport method, on both transports: a reply, NoResponders, or Timeout."""
+    from bus.errors import NoResponders, Timeout
+    from bus.memory import MemoryNetwork, memory_bus
+
+    if kind == "memory":
+        network = MemoryNetwork()
+        server, client = memory_bus(network), memory_bus(network)
+    else:
+        server, client = await make_bus(), await make_bus()
+    subject = server.transport.new_inbox()
+    silent = server.transport.new_inbox()
+
+    async def answer(raw) -> None:
+        await server.transport.publish(raw.reply, raw.data[::-1], {STREAM_HEADER: "alive"})
+
+    async def ignore(raw) -> None:
+        return None
+
+    await server.transport.subscribe(subject, answer)
+    await server.transport.subscribe(silent, ignore)
+    await server.transport.flush()
+    deadline = time.monotonic() + WAIT_S
+    while True:  # see open_stream's NOTE: wait until the subscriptions are visible
+        try:
+            reply = await client.transport.request(subject, b"abc", {STREAM_HEADER: PROBE}, 5.0)
+            break
+        except NoResponders:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    assert reply.data == b"cba" and reply.headers[STREAM_HEADER] == "alive"
+    with pytest.raises(NoResponders):
+        await client.transport.request(subject + ".nobody", b"", None, 5.0)
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        await client.transport.request(silent, b"", None, 0.3)
+    assert time.monotonic() - t0 >= 0.25  # it waited (the loop may fire a hair early)
+    if kind == "memory":
+        await server.close()
+        await client.close()
+        assert not network.subscriptions  # the request's own inbox was let go
+
+
 # --- the real engine: the generation is aborted and every page comes back ------------------------------
 @pytest.fixture(scope="module")
 def engine_config(model_dir):
