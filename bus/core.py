@@ -453,7 +453,8 @@ class Bus:
         agen = handler(*args)
         probe = None
         if raw.reply and self.probe_interval > 0:
-            probe = asyncio.create_task(self._probe_caller(raw.reply, base[REQUEST_ID_HEADER], asyncio.current_task()))
+            probe = asyncio.create_task(self._probe_caller(raw.reply, base[REQUEST_ID_HEADER],
+                                                           asyncio.current_task()))
             self._background.add(probe)
             probe.add_done_callback(self._background.discard)
         try:
@@ -465,7 +466,6 @@ class Bus:
                 probe.cancel()  # before the end message: a finished stream is never probed
             await agen.aclose()
         await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
-
 
     async def _probe_caller(self, reply: str, request_id: str, task: asyncio.Task) -> None:
         """Cancel ``task``, a streamed reply's handler, once its caller is gone (runs beside it, never delays a chunk).
