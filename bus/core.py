@@ -19,6 +19,13 @@ Wire protocol, in headers:
   sends it; the server cancels the handler when it passes (and answers
   ``timeout``), so work nobody waits for stops even when no CancelEvent comes
   (a caller that died, a plain NATS client that gave up).
+- Interest probes: while a streamed reply runs, the server sends at most every
+  ``probe_interval`` seconds a request with ``Kvbus-Stream: probe`` and an empty
+  body to the stream's reply subject. "No responders" (the caller's connection is
+  gone) or an answer ``Kvbus-Stream: gone`` (the caller dropped the stream)
+  cancels the handler as a CancelEvent would; silence or any other answer means
+  alive. A caller ignores probes (it may answer them): our Bus answers ``alive``
+  for a stream it still reads and ``gone`` for one it does not know.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ from typing import Any
 
 from bus import tracing
 from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
-from bus.errors import BusError, Internal, PayloadTooLarge, Timeout, Unavailable
+from bus.errors import BusError, Internal, NoResponders, PayloadTooLarge, Timeout, Unavailable
 from bus.stream import ReplyStream, StreamBroken
 from bus.subjects import CANCEL, Subject
 from bus.transport import (
     NO_RESPONDERS,
+    PROBE,
+    PROBE_ALIVE,
+    PROBE_GONE,
     REQUEST_ID_HEADER,
     SEQ_HEADER,
     STATUS_HEADER,
@@ -54,6 +64,9 @@ from bus.transport import (
 from schemas.common import CancelEvent
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 0.5
+"""Seconds a probe waits for its answer; silence means alive (a client that ignores probes)."""
 
 __all__ = [  # the transport's and the stream's names stay importable from here
     "NO_RESPONDERS", "REQUEST_ID_HEADER", "SEQ_HEADER", "STATUS_HEADER", "STREAM_HEADER", "TIMEOUT_HEADER",
@@ -109,9 +122,13 @@ class Bus:
     streamed subject, are async generators of chunk Structs.
     """
 
-    def __init__(self, transport: Transport, *, default_timeout: float = 10.0):
+    def __init__(self, transport: Transport, *, default_timeout: float = 10.0, probe_interval: float = 1.0):
+        if not probe_interval >= 0:
+            raise ValueError(f"probe_interval must be >= 0 (0: never probe), got {probe_interval}")
         self.transport = transport
         self.default_timeout = default_timeout
+        self.probe_interval = probe_interval
+        """Seconds between interest probes of each streamed reply's caller (0: never probe)."""
         self._reply_prefix: str | None = None
         self._reply_sub: RawSubscription | None = None
         self._reply_lock = asyncio.Lock()
@@ -123,6 +140,8 @@ class Bus:
         """Handler tasks cancelled by their caller (a CancelEvent), not by a shutdown."""
         self._expired: set[asyncio.Task] = set()
         """Handler tasks cancelled because their caller's deadline (``Kvbus-Timeout``) passed."""
+        self._abandoned: set[asyncio.Task] = set()
+        """Streamed handler tasks cancelled because a probe found their caller gone (also in ``_cancelled``)."""
         self._cancel_sub: Subscription | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -262,7 +281,7 @@ class Bus:
         if self._closed:
             return
         self._closed = True
-        for fut in self._pending.values():
+        for fut in list(self._pending.values()):  # a dropped ReplyStream's finalizer may pop meanwhile
             if isinstance(fut, asyncio.Future) and not fut.done():
                 fut.set_exception(Unavailable("bus closed"))
         await self.transport.close()
@@ -304,12 +323,22 @@ class Bus:
     async def _on_reply(self, raw: RawMsg) -> None:
         token = raw.subject.rsplit(".", 1)[-1]
         waiter = self._pending.get(token)
+        if header(raw, STREAM_HEADER) == PROBE:  # never a chunk: answer whether we still read the stream
+            if raw.reply:
+                await self._answer_probe(raw.reply, PROBE_GONE if waiter is None else PROBE_ALIVE)
+            return
         if waiter is None:
             return  # late reply after a timeout, or a stream already closed
         if isinstance(waiter, asyncio.Queue):
             waiter.put_nowait(raw)
         elif not waiter.done():
             waiter.set_result(raw)
+
+    async def _answer_probe(self, reply: str, answer: str) -> None:
+        try:
+            await self.transport.publish(reply, b"", {STREAM_HEADER: answer})
+        except Exception:  # best effort: an unanswered probe means alive
+            log.debug("could not answer a stream probe on %s", reply, exc_info=True)
 
     _raise_for_reply = staticmethod(raise_for_reply)
 
@@ -378,6 +407,16 @@ class Bus:
                         error = Unavailable(f"{subject.template} is shutting down (request id {request_id})")
                         await asyncio.shield(self._reply(raw, b"", {**base, **error.to_headers()}))
                     raise
+                elif task in self._abandoned:
+                    # Nobody should hear this; but a caller whose connection was only re-establishing
+                    # (a NATS reconnect) learns at once that its stream ended, instead of stalling.
+                    task.uncancel()
+                    error = Unavailable(f"{subject.template}: stream cancelled, its caller looked gone "
+                                        f"(request id {request_id})")
+                    try:
+                        await self._reply(raw, b"", {**base, **error.to_headers()})
+                    except Exception:  # our own connection going too: there was nobody to tell
+                        log.debug("could not send the last word of %s", request_id, exc_info=True)
             except BusError as exc:
                 tracing.mark_error(span, exc.code.value, exc.message)
                 await self._reply(raw, b"", {**base, **exc.to_headers()})
@@ -397,6 +436,7 @@ class Bus:
                         del self._tasks_by_request[request_id]
                 self._cancelled.discard(task)
                 self._expired.discard(task)
+                self._abandoned.discard(task)
 
     def _expire_at(self, deadline: float, task: asyncio.Task) -> asyncio.TimerHandle:
         """Cancel ``task`` at ``deadline`` (time.monotonic(), which is the event loop's clock too)."""
@@ -411,13 +451,49 @@ class Bus:
                              base: dict[str, str]) -> None:
         seq = 0
         agen = handler(*args)
+        probe = None
+        if raw.reply and self.probe_interval > 0:
+            probe = asyncio.create_task(self._probe_caller(raw.reply, base[REQUEST_ID_HEADER],
+                                                           asyncio.current_task()))
+            self._background.add(probe)
+            probe.add_done_callback(self._background.discard)
         try:
             async for chunk in agen:
                 await self._reply(raw, encode(chunk, enc), {**base, STREAM_HEADER: "chunk", SEQ_HEADER: str(seq)})
                 seq += 1
         finally:
+            if probe is not None:
+                probe.cancel()  # before the end message: a finished stream is never probed
             await agen.aclose()
         await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
+
+    async def _probe_caller(self, reply: str, request_id: str, task: asyncio.Task) -> None:
+        """Cancel ``task``, a streamed reply's handler, once its caller is gone (runs beside it, never delays a chunk).
+
+        Gone: nobody subscribes to ``reply`` (the caller's connection closed), or the caller answers
+        ``gone`` (it dropped the stream without closing it). A timeout, any other answer or a
+        failure of our own connection count as alive: a client that ignores probes is never cancelled.
+        """
+        headers = {REQUEST_ID_HEADER: request_id, STREAM_HEADER: PROBE}
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            try:
+                answer = await self.transport.request(reply, b"", headers, PROBE_TIMEOUT)
+            except NoResponders:
+                why = "nobody subscribes to its reply subject"
+            except Exception:
+                continue
+            else:
+                if header(answer, STREAM_HEADER) != PROBE_GONE:
+                    continue
+                why = "it answered that it no longer reads the stream"
+            if task.done():
+                return
+            log.info("cancelling stream %s: its caller is gone (%s)", request_id, why)
+            self._abandoned.add(task)
+            self._cancelled.add(task)
+            task.cancel()
+            return
 
 
 def _deadline(headers: dict[str, str], received_at: float) -> float | None:

@@ -91,6 +91,10 @@ class Unavailable(BusError):
     code = ErrorCode.UNAVAILABLE
 
 
+class NoResponders(Unavailable):
+    """Nobody subscribes to the subject (nats-server's "no responders" status, or the in-memory bus's)."""
+
+
 class Internal(BusError):
     code = ErrorCode.INTERNAL
 

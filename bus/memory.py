@@ -44,6 +44,8 @@ class _MemorySubscription(RawSubscription):
 
     async def unsubscribe(self) -> None:
         self.transport.network.discard(self)
+        if self in self.transport._own:
+            self.transport._own.remove(self)
         self.mailbox.put_nowait(None)
 
 
@@ -102,7 +104,7 @@ class MemoryTransport(Transport):
         return f"_INBOX.mem{next(self._ids)}{uuid.uuid4().hex[:8]}"
 
     async def close(self) -> None:
-        for sub in self._own:
+        for sub in list(self._own):
             await sub.unsubscribe()
 
 

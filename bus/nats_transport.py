@@ -10,9 +10,11 @@ import ssl
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from bus.core import Bus, RawHandler, RawMsg, RawSubscription, Transport
-from bus.errors import Unavailable
+from bus.errors import NoResponders, Timeout, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,15 @@ class BusConfig:
     """Reconnect attempts after a lost connection (-1: forever)."""
     reconnect_time_wait: float = 0.5
     """Seconds between reconnect attempts to one server (nats-py adds jitter); subscriptions are restored."""
+    probe_interval: float = 1.0
+    """Seconds between interest probes of each streamed reply's caller; a caller that is gone has its
+    stream cancelled (docs/reliability.md, Deadlines). 0: never probe."""
 
     def __post_init__(self) -> None:
         if self.connect_timeout <= 0 or self.request_timeout <= 0 or self.reconnect_time_wait <= 0:
             raise ValueError("connect_timeout, request_timeout and reconnect_time_wait must be positive")
+        if not self.probe_interval >= 0:
+            raise ValueError("probe_interval must be >= 0 (0: never probe)")
         if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
             raise ValueError("nats_tls_cert and nats_tls_key go together")
 
@@ -84,6 +91,16 @@ class NatsTransport(Transport):
 
     def new_inbox(self) -> str:
         return self.nc.new_inbox()
+
+    async def request(self, subject, data, headers, timeout) -> RawMsg:
+        # nats-py's one shared response inbox: no subscription per request
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+        except NoRespondersError:
+            raise NoResponders(f"nobody is listening on {subject}") from None
+        except NatsTimeoutError:
+            raise Timeout(f"no reply on {subject} within {timeout:g}s") from None
+        return RawMsg(msg.subject, msg.data, msg.headers, msg.reply or None)
 
     async def flush(self) -> None:
         await self.nc.flush()
@@ -157,4 +174,4 @@ async def connect(config: BusConfig | None = None, *, name: str = "kvbus") -> Bu
             pass
         reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
         raise Unavailable(f"cannot connect to NATS at {config.nats_url}: {reason}") from None
-    return Bus(NatsTransport(nc), default_timeout=config.request_timeout)
+    return Bus(NatsTransport(nc), default_timeout=config.request_timeout, probe_interval=config.probe_interval)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ class ReplyStream:
         self._name = name
         self._queue: asyncio.Queue[RawMsg] = asyncio.Queue()
         self._token: str | None = None
+        self._forget: weakref.finalize | None = None
+        """Drops the token from the bus's pending replies: on finishing, or when the stream is garbage."""
         self._next_seq = 0
         self._is_done = False
         self.request_id = headers[REQUEST_ID_HEADER]
@@ -41,6 +44,9 @@ class ReplyStream:
         token, inbox = await self._bus._open_reply()
         self._token = token
         self._bus._pending[token] = self._queue
+        # NOTE: a stream dropped without aclose() must not stay pending forever: its token then
+        # answers the server's interest probe "gone", which cancels the generation (bus/core.py).
+        self._forget = weakref.finalize(self, self._bus._pending.pop, token, None)
         with tracing.client_span(f"{self._subject.template} stream", self._headers,
                                  **{"messaging.destination": self._name}):
             data = self._bus._encode_within_limit(self._message, self._subject, self._name, self._headers)
@@ -83,8 +89,8 @@ class ReplyStream:
 
     def _finish(self) -> None:
         self._is_done = True
-        if self._token is not None:
-            self._bus._pending.pop(self._token, None)
+        if self._forget is not None:
+            self._forget()
 
     def abort(self, error: BusError) -> None:
         """Make the pending (or next) ``__anext__`` raise ``error``, e.g. when the server is known dead."""

@@ -10,7 +10,9 @@ import abc
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-from bus.errors import Unavailable, error_from_headers
+import asyncio
+
+from bus.errors import NoResponders, Timeout, error_from_headers
 
 REQUEST_ID_HEADER = "Kvbus-Request-Id"
 STREAM_HEADER = "Kvbus-Stream"
@@ -18,6 +20,11 @@ SEQ_HEADER = "Kvbus-Seq"
 TIMEOUT_HEADER = "Kvbus-Timeout"
 STATUS_HEADER = "Status"  # set by nats-server on "no responders"
 NO_RESPONDERS = "503"
+PROBE = "probe"
+"""``Kvbus-Stream`` of the interest probe a streaming server sends its caller's inbox (bus/core.py)."""
+PROBE_ALIVE = "alive"
+PROBE_GONE = "gone"
+"""``Kvbus-Stream`` of the caller's answer to a probe: the stream is still read, or nobody wants it any more."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +57,33 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def new_inbox(self) -> str: ...
 
+    async def request(self, subject: str, data: bytes, headers: dict[str, str] | None,
+                      timeout: float) -> RawMsg:
+        """One reply to ``data`` on ``subject``; raises NoResponders when nobody subscribes, Timeout after ``timeout``.
+
+        Built from subscribe/publish (the server answers "no responders" on the inbox); a
+        transport with a cheaper request of its own overrides it.
+        """
+        reply: asyncio.Future[RawMsg] = asyncio.get_running_loop().create_future()
+
+        async def on_reply(msg: RawMsg) -> None:
+            if not reply.done():
+                reply.set_result(msg)
+
+        inbox = self.new_inbox()
+        sub = await self.subscribe(inbox, on_reply)
+        try:
+            await self.publish(subject, data, headers, reply=inbox)
+            try:
+                msg = await asyncio.wait_for(reply, timeout)
+            except asyncio.TimeoutError:
+                raise Timeout(f"no reply on {subject} within {timeout:g}s") from None
+        finally:
+            await sub.unsubscribe()
+        if header(msg, STATUS_HEADER) == NO_RESPONDERS:
+            raise NoResponders(f"nobody is listening on {subject}")
+        return msg
+
     async def flush(self) -> None:
         return None
 
@@ -74,4 +108,4 @@ def raise_for_reply(raw: RawMsg, name: str) -> None:
     if error is not None:
         raise error
     if header(raw, STATUS_HEADER) == NO_RESPONDERS:
-        raise Unavailable(f"no service is listening on {name}")
+        raise NoResponders(f"no service is listening on {name}")

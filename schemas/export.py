@@ -23,7 +23,8 @@ def subject_schema(subject: Subject) -> dict:
             "queue_group": subject.queue,
             "streamed": subject.streamed,
             "content_type": subject.encoding.value,
-            "reply_is": "stream of chunks ended by an empty message with header Kvbus-Stream: end"
+            "reply_is": ("stream of chunks ended by an empty message with header Kvbus-Stream: end; "
+                         "skip messages with Kvbus-Stream: probe (a liveness request you may answer)")
             if subject.streamed else "one message",
             "errors": "empty body with headers Kvbus-Error-Code and Kvbus-Error-Message",
         },

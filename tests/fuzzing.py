@@ -32,6 +32,7 @@ import msgspec
 from hypothesis import strategies as st
 
 from bus.core import REQUEST_ID_HEADER, SEQ_HEADER, STATUS_HEADER, STREAM_HEADER
+from bus.transport import PROBE
 from bus.errors import ERROR_CODE_HEADER, ErrorCode
 from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import (
@@ -344,6 +345,8 @@ class FuzzSystem:
                     decode(msg.data, subject.reply, enc)
                     finished = True
                     return "ok", "reply"
+                if h.get(STREAM_HEADER) == PROBE:  # the server asks whether we still read: ignore it
+                    continue
                 if h.get(STREAM_HEADER) == "end":
                     finished = True
                     return "ok", "stream"

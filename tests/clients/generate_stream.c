@@ -4,7 +4,9 @@
  *
  * Publishes a JSON GenerateRequest on kvbus.v1.generate with a reply inbox, then
  * prints every chunk's JSON on its own line until the message whose header
- * Kvbus-Stream is "end". Exits 1 on an error header or a stall of 60 s.
+ * Kvbus-Stream is "end". Messages whose Kvbus-Stream is "probe" (the server asking
+ * whether anyone still reads; they may be answered) are skipped. Exits 1 on an
+ * error header or a stall of 60 s.
  */
 #include <nats/nats.h>
 #include <stdio.h>
@@ -47,7 +49,13 @@ int main(int argc, char **argv) {
             fprintf(stderr, "kvbus error %s: %s\n", value, message);
             return 1;
         }
-        int is_end = natsMsgHeader_Get(msg, "Kvbus-Stream", &value) == NATS_OK && strcmp(value, "end") == 0;
+        const char *kind = NULL;
+        natsMsgHeader_Get(msg, "Kvbus-Stream", &kind);
+        if (kind != NULL && strcmp(kind, "probe") == 0) {
+            natsMsg_Destroy(msg);
+            continue;
+        }
+        int is_end = kind != NULL && strcmp(kind, "end") == 0;
         if (!is_end) printf("%.*s\n", natsMsg_GetDataLength(msg), natsMsg_GetData(msg));
         natsMsg_Destroy(msg);
         if (is_end) break;
