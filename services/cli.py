@@ -59,6 +59,9 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     args = serve_parser(role, actor_cls).parse_args(rest)
     setup_logging(args.log_level)
+    from services.engine.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # process-wide: freed activations stay mapped (a prefill no longer page-faults them in)
     try:
         bus_config = bus_config_from(args)
         role_fields = set(actor_cls.config_class.__dataclass_fields__)

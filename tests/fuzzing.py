@@ -366,7 +366,9 @@ class FuzzSystem:
 
         headers = {"content-type": raw.content_type or "application/json"} if raw is not None else {}
         try:
-            r = http.request(method, path, content=raw.body if raw is not None else None, headers=headers,
+            # an absolute URL: a relative "//x" would be read as a host by the client, never sent
+            r = http.request(method, self.http_url + path, content=raw.body if raw is not None else None,
+                             headers=headers,
                              timeout=self.hang_timeout)
         except httpx.TimeoutException:
             return "hang", f"no answer within {self.hang_timeout:g}s"

@@ -128,6 +128,7 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
   // Heads h0 .. h0 + nh - 1, their rows one after another (R each, same limits); each 32-token
   // tile is walked once for all of them, so a page's K and V are read in address order.
   constexpr int TN = TILE_WIDE, ND = D / 16;
+  constexpr int RB = D == 64 ? 4 : 2;  // rows per P.V block (RB * ND accumulators in registers)
   float* K = scratch;          // [TN, D] converted rows (non-fp32 caches)
   float* V = K + TN * D;       // [TN, D]
   float* Kt = V + TN * D;      // [D, TN]
@@ -228,31 +229,71 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
       }
       _mm512_storeu_ps(S + r * TN, sa), _mm512_storeu_ps(S + r * TN + 16, sb);
     }
-    for (r = 0; r < R; ++r) {
-      const int visible = std::min(n, limits[r] - t0);
-      if (visible <= 0) continue;
-      const __mmask16 ma = lanes(visible), mb = lanes(visible - 16);
-      const __m512 sa = _mm512_mask_loadu_ps(ninf, ma, S + r * TN);
-      const __m512 sb = _mm512_mask_loadu_ps(ninf, mb, S + r * TN + 16);
-      const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(sa, sb)));
-      const __m512 mv = _mm512_set1_ps(mx);
-      const __m512 pa = _mm512_maskz_mov_ps(ma, exp512(_mm512_sub_ps(sa, mv)));
-      const __m512 pb = _mm512_maskz_mov_ps(mb, exp512(_mm512_sub_ps(sb, mv)));
-      const float alpha = exp_nonpos(m[r] - mx);
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
-      m[r] = mx;
-      alignas(64) float pj[TN];
-      _mm512_store_ps(pj, pa), _mm512_store_ps(pj + 16, pb);
-      float* arow = acc + static_cast<int64_t>(r) * D;
-      __m512 a[ND];
-      const __m512 al = _mm512_set1_ps(alpha);
-      for (int i = 0; i < ND; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * i), al);
-      for (int j = 0; j < visible; ++j) {
-        const __m512 w = _mm512_set1_ps(pj[j]);
-        const float* v = vrow[j];
-        for (int i = 0; i < ND; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), a[i]);
+    // Softmax of RB rows into P, then P.V for the RB rows at once: RB x ND accumulators stay in
+    // registers and every V row loaded serves RB rows (one row at a time, P.V was bound by its V
+    // loads). A row's arithmetic is the same whichever rows share its block: a row that sees
+    // fewer of the tile's tokens than its neighbours gets p = 0 for the rest (fma(0, v, a) == a).
+    alignas(64) float P[RB][TN];
+    float alpha[RB];
+    for (r = 0; r < R; r += RB) {
+      const int rb = std::min(RB, R - r);
+      int vmax = 0;
+      for (int i = 0; i < rb; ++i) {
+        const int rr = r + i;
+        const int visible = std::min(n, limits[rr] - t0);
+        if (visible <= 0) {
+          alpha[i] = 1.f;
+          _mm512_store_ps(P[i], _mm512_setzero_ps()), _mm512_store_ps(P[i] + 16, _mm512_setzero_ps());
+          continue;
+        }
+        vmax = std::max(vmax, visible);
+        const __mmask16 ma = lanes(visible), mb = lanes(visible - 16);
+        const __m512 sa = _mm512_mask_loadu_ps(ninf, ma, S + rr * TN);
+        const __m512 sb = _mm512_mask_loadu_ps(ninf, mb, S + rr * TN + 16);
+        const float mx = std::max(m[rr], _mm512_reduce_max_ps(_mm512_max_ps(sa, sb)));
+        const __m512 mv = _mm512_set1_ps(mx);
+        const __m512 pa = _mm512_maskz_mov_ps(ma, exp512(_mm512_sub_ps(sa, mv)));
+        const __m512 pb = _mm512_maskz_mov_ps(mb, exp512(_mm512_sub_ps(sb, mv)));
+        alpha[i] = exp_nonpos(m[rr] - mx);
+        l[rr] = l[rr] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+        m[rr] = mx;
+        _mm512_store_ps(P[i], pa), _mm512_store_ps(P[i] + 16, pb);
       }
-      for (int i = 0; i < ND; ++i) _mm512_storeu_ps(arow + 16 * i, a[i]);
+      if (vmax == 0) continue;
+      if (rb == RB) {
+        __m512 a[RB][ND];
+        for (int i = 0; i < RB; ++i) {
+          const __m512 al = _mm512_set1_ps(alpha[i]);
+          const float* arow = acc + static_cast<int64_t>(r + i) * D;
+          for (int k = 0; k < ND; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * k), al);
+        }
+        for (int j = 0; j < vmax; ++j) {
+          const float* v = vrow[j];
+          __m512 vv[ND];
+          for (int k = 0; k < ND; ++k) vv[k] = _mm512_loadu_ps(v + 16 * k);
+          for (int i = 0; i < RB; ++i) {
+            const __m512 w = _mm512_set1_ps(P[i][j]);
+            for (int k = 0; k < ND; ++k) a[i][k] = _mm512_fmadd_ps(w, vv[k], a[i][k]);
+          }
+        }
+        for (int i = 0; i < RB; ++i) {
+          float* arow = acc + static_cast<int64_t>(r + i) * D;
+          for (int k = 0; k < ND; ++k) _mm512_storeu_ps(arow + 16 * k, a[i][k]);
+        }
+      } else {
+        for (int i = 0; i < rb; ++i) {
+          float* arow = acc + static_cast<int64_t>(r + i) * D;
+          __m512 a[ND];
+          const __m512 al = _mm512_set1_ps(alpha[i]);
+          for (int k = 0; k < ND; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * k), al);
+          for (int j = 0; j < vmax; ++j) {
+            const __m512 w = _mm512_set1_ps(P[i][j]);
+            const float* v = vrow[j];
+            for (int k = 0; k < ND; ++k) a[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * k), a[k]);
+          }
+          for (int k = 0; k < ND; ++k) _mm512_storeu_ps(arow + 16 * k, a[k]);
+        }
+      }
     }
     }  // heads
   }
