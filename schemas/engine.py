@@ -120,6 +120,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens_host: int = 0
     """Of cached_prompt_tokens: pages loaded back from the host tier (L2, including pages the kv_store
     promoted from disk, L3, for this request)."""
+    draft_seconds: float = 0.0
+    """Seconds this request's decode steps waited for drafts (a remote round trip included; a step's
+    drafting counts whole for every request it drafted for), 0 without speculation."""
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):

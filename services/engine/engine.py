@@ -324,7 +324,10 @@ class LLMEngine(AsyncEngineMixin):
         if not wants:
             return
         proposals = drafter.propose_many(wants)
+        spent = time.perf_counter() - t0  # every sequence that asked waited for the whole call
         for seq in decoding:
+            if seq.request_id in wants:
+                seq.draft_seconds += spent
             prop = proposals.get(seq.request_id)
             if prop is not None and prop.position == seq.num_tokens and prop.tokens:
                 k = wants[seq.request_id]
@@ -493,6 +496,7 @@ class LLMEngine(AsyncEngineMixin):
             mean_accepted_length=(
                 (seq.num_accepted_tokens + seq.num_spec_steps) / seq.num_spec_steps if seq.num_spec_steps else 0.0
             ),
+            draft_seconds=round(seq.draft_seconds, 6),
             cached_tokens_device=seq.num_cached_tokens - host,
             cached_tokens_host=host,
         )

@@ -70,6 +70,7 @@ class Sequence:
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
         self.num_spec_steps = 0
+        self.draft_seconds = 0.0  # drafting time of the steps that drafted for this sequence
 
     def __repr__(self) -> str:
         return (

@@ -12,6 +12,8 @@ from schemas.engine import Usage
 # Seconds; fine at the low end where CPU decode steps and cached TTFTs live.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
+_ACCEPTED_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 9.0)
+_SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -38,6 +40,18 @@ class GatewayMetrics:
                                             "Prompt tokens served from the prefix cache.", registry=r)
         self.generation_tokens = Counter("kvbus_generation_tokens", "Generated tokens streamed to callers.",
                                          registry=r)
+        # speculative decoding (docs/speculative.md), from the usage of requests that speculated
+        self.draft_tokens = Counter("kvbus_spec_draft_tokens", "Drafted tokens the target verified.", registry=r)
+        self.accepted_draft_tokens = Counter("kvbus_spec_accepted_draft_tokens",
+                                             "Drafted tokens the target accepted (acceptance rate: this "
+                                             "over kvbus_spec_draft_tokens).", registry=r)
+        self.accepted_length = Histogram("kvbus_spec_mean_accepted_length",
+                                         "Per speculating request: tokens appended per verification step.",
+                                         buckets=_ACCEPTED_LENGTH_BUCKETS, registry=r)
+        self.draft_share = Histogram("kvbus_spec_draft_time_share",
+                                     "Per speculating request: share of its decode time (first token to last) "
+                                     "its steps spent drafting, a remote drafter's round trip included.",
+                                     buckets=_SHARE_BUCKETS, registry=r)
         self.inflight = Gauge("kvbus_requests_running", "Generations in flight in this gateway.", registry=r)
         if num_inflight is not None:
             self.inflight.set_function(num_inflight)
@@ -47,9 +61,16 @@ class GatewayMetrics:
         if error_code is not None:
             self.errors.labels(code=error_code).inc()
 
-    def observe_usage(self, usage: Usage) -> None:
+    def observe_usage(self, usage: Usage, decode_seconds: float = 0.0) -> None:
+        """A finished request's usage; ``decode_seconds``: its first token to its last."""
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        if usage.draft_tokens:
+            self.draft_tokens.inc(usage.draft_tokens)
+            self.accepted_draft_tokens.inc(usage.accepted_draft_tokens)
+            self.accepted_length.observe(usage.mean_accepted_length)
+            if decode_seconds > 0:
+                self.draft_share.observe(min(1.0, usage.draft_seconds / decode_seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ from schemas.tokenizer import ChatTemplateRequest, DecodeRequest, EncodeRequest,
 from schemas.worker import RouteRequest, TokenChunk, WorkerGenerateRequest
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.stop_span import HeldText
 from services.gateway.validation import check_before_work
 from services.liveness import WorkerDied, WorkerLiveness
 
@@ -165,18 +166,19 @@ class GenerationPipeline:
             ends += [started + req.timeout_s] if req.timeout_s is not None else []
             prompt_ids = await self.prompt_token_ids(req)
             timings = {"tokenize_s": time.monotonic() - started}
-            last = None
+            first = last = None
             async for chunk in self._stream_from_worker(req, prompt_ids, request_id, min(ends), timings):
                 now = time.monotonic()
                 if chunk.token_ids:
                     if last is None:
+                        first = now
                         self.metrics.ttft.observe(now - started)
                     else:
                         self.metrics.itl.observe((now - last) / len(chunk.token_ids))
                     last = now
                     self.metrics.generation_tokens.inc(len(chunk.token_ids))
                 if chunk.usage is not None:
-                    self.metrics.observe_usage(chunk.usage)
+                    self.metrics.observe_usage(chunk.usage, now - first if first is not None else 0.0)
                     self.metrics.e2e.observe(now - started)
                 yield GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
                                     finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
@@ -241,15 +243,23 @@ class GenerationPipeline:
             worker_id = route.decode_worker_id
             message = self._worker_request(req, prompt_ids, generated, route, f"{request_id}-{attempt}", deadline)
             num_before = len(generated)
+            # a migrated stream: the text the dead worker held back goes in front, and a stop string
+            # begun in it may end in the new worker's text (stop_span.py)
+            held = HeldText(pending_text, req.sampling.stop) if num_before else None
             try:
                 async for chunk in self._chunks_from(worker_id, message, request_id, deadline):
-                    if num_before:  # a migrated stream: count as if one worker did it all
-                        chunk = _continued(chunk, num_before, pending_text)
-                        pending_text = ""
-                    generated += chunk.token_ids
-                    emitted.append(chunk.text)
-                    yield chunk
-                    if chunk.finish_reason is not None:
+                    if held is not None:  # count as if one worker did it all
+                        out, ends = held.feed(_continued(chunk, num_before, ""))
+                    else:
+                        out, ends = [chunk], chunk.finish_reason is not None
+                    for c in out:
+                        if held is not None and held.stop_end is not None:  # stopped across the migration
+                            c = await self._stopped_across(req, len(prompt_ids), generated, "".join(emitted), c,
+                                                           held.stop_end)
+                        generated += c.token_ids
+                        emitted.append(c.text)
+                        yield c
+                    if ends:
                         return
                 return
             except Unavailable as exc:
@@ -318,6 +328,28 @@ class GenerationPipeline:
             finally:
                 if dead is not None:
                     dead.cancel()
+
+    async def _stopped_across(self, req: GenerateRequest, prompt_len: int, generated: list[int], emitted: str,
+                              chunk: TokenChunk, stop_end: int) -> TokenChunk:
+        """The last chunk of a stream stopped by a stop string across a migration: its tokens up to
+        the one whose decoded text completes the stop string, as one worker would have sent them
+        (a chunk's text can lag its tokens, so the chunk boundary alone may keep a few too many)."""
+        ids = chunk.token_ids
+        n = len(ids)
+        for i in range(1, len(ids)):
+            try:
+                reply = await self.bus.request(
+                    TOKENIZER_DECODE,
+                    DecodeRequest(ids=generated + ids[:i], skip_special_tokens=req.sampling.skip_special_tokens),
+                    timeout=self.config.call_timeout)
+            except BusError:
+                break  # keep the chunk whole: a few tokens too many, never text past the stop
+            if len(reply.text) >= len(emitted) + stop_end:
+                n = i
+                break
+        usage = Usage(prompt_tokens=prompt_len, cached_prompt_tokens=0, completion_tokens=len(generated) + n)
+        logprobs = chunk.logprobs[:n] if chunk.logprobs else None
+        return msgspec.structs.replace(chunk, token_ids=ids[:n], logprobs=logprobs, usage=usage)
 
     async def _missing_text(self, req: GenerateRequest, generated: list[int], emitted: str) -> str:
         """Text of ``generated`` the dead worker held back (half a character, a possible stop string)."""

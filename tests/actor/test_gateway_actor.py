@@ -631,6 +631,71 @@ async def test_a_worker_that_dies_mid_stream_is_replaced_without_gap_or_repeat(
             await eventually(lambda: w.engine.block_manager.num_free_pages == cluster.free_pages, 10.0, "pages free")
 
 
+def cut_off_at_token(buses, index: int) -> dict[str, str]:
+    """The worker that is about to stream generated token number ``index`` dies right then, before
+    that chunk leaves (from outside: a SIGKILL at an exact token); every other worker goes on."""
+    import msgspec
+
+    from bus.transport import STREAM_HEADER
+    from schemas.worker import TokenChunk
+
+    dead: dict[str, str] = {}
+    for wid, bus in buses.items():
+        real = bus.transport.publish
+        sent = [0]
+
+        async def publish(subject, data, headers=None, reply=None, *, real=real, sent=sent, wid=wid):
+            if wid in dead.values():
+                return None
+            if not dead and (headers or {}).get(STREAM_HEADER) == "chunk":
+                try:
+                    chunk = msgspec.msgpack.decode(data, type=TokenChunk)
+                except msgspec.DecodeError:
+                    chunk = None
+                if chunk is not None:
+                    if sent[0] + len(chunk.token_ids) > index:
+                        dead["worker"] = wid
+                        return None
+                    sent[0] += len(chunk.token_ids)
+            return await real(subject, data, headers, reply)
+
+        bus.transport.publish = publish
+    return dead
+
+
+async def test_a_stop_string_across_the_migration_point_still_stops(core, engine, second_engine, worker_config):
+    """The dead worker held back the start of a stop string; the next worker's text completes it."""
+    prompt = core.encode_batch([LONG_PROMPT], True)[0]
+    [plain] = engine.generate_sync([prompt], MIGRATE)
+    texts = core.decode_batch([plain.token_ids[:i] for i in range(len(plain.token_ids) + 1)], True)
+    # a stop string made of generated tokens k and k+1 whose first occurrence starts at token k
+    k = next(k for k in range(6, len(plain.token_ids) - 2)
+             if len(texts[k + 1]) - len(texts[k]) >= 2 and len(texts[k + 2]) - len(texts[k + 1]) >= 2
+             and texts[k + 2].find(texts[k + 2][len(texts[k]):]) == len(texts[k]))
+    stop = texts[k + 2][len(texts[k]):]
+    sampling = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=(stop,))
+    [want] = engine.generate_sync([prompt], sampling)
+    assert want.finish_reason == "stop" and want.text == texts[k], "the reference must stop at the string"
+    gateway = GatewayConfig(http_port=0, worker_ttl=1.0)
+    async with running(core, engine, worker_config, gateway=gateway, router=RouterConfig(worker_ttl=1.0),
+                       more_engines=(second_engine,)) as cluster:
+        dead = cut_off_at_token(cluster.buses, k + 1)  # token k (the stop's start, held back) went out
+        req = GenerateRequest(prompt=LONG_PROMPT, sampling=sampling, stream_interval=1)
+        chunks = []
+        async with cluster.client.stream(GENERATE, req, timeout=60) as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+        assert dead, "no worker was cut off"
+        assert cluster.gateway.pipeline.num_migrations == 1
+        assert "".join(c.text for c in chunks) == want.text
+        assert chunks[-1].finish_reason == "stop"
+        assert [t for c in chunks for t in c.token_ids] == want.token_ids
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+        for w in [cluster.worker, *cluster.more_workers]:
+            await eventually(lambda: not w.engine.has_unfinished(), 10.0, "aborted")
+            await eventually(lambda: w.engine.block_manager.num_free_pages == cluster.free_pages, 10.0, "pages free")
+
+
 async def test_migrations_are_bounded_then_unavailable(core, engine, second_engine, worker_config):
     gateway = GatewayConfig(http_port=0, worker_ttl=1.0, max_migrations=0)
     async with running(core, engine, worker_config, gateway=gateway, router=RouterConfig(worker_ttl=1.0),

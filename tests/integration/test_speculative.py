@@ -72,17 +72,41 @@ async def _one_at_a_time(nats_url: str, prompts: list[list[int]]) -> list[list[i
         await bus.close()
 
 
+@pytest.fixture(scope="module")
+def draft_folder(model_dir, tmp_path_factory):
+    """A 6-layer cut of the target: shares its tokenizer; accepts little, which is what the identity
+    check needs (many rejections and rollbacks)."""
+    from services.models.truncate import write_truncated_model
+
+    return write_truncated_model(model_dir, tmp_path_factory.mktemp("draft") / "draft", 6)
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("placement", ["local", "remote"])
-def test_greedy_through_kvbus_up_matches_plain_decoding(placement, model_dir, prompts, reference):
-    with Cluster("--aggregated", "--speculative", "ngram", "--draft-placement", placement,
+@pytest.mark.parametrize("drafter,placement", [("ngram", "local"), ("ngram", "remote"), ("model", "local"),
+                                               ("model", "remote")])
+def test_greedy_through_kvbus_up_matches_plain_decoding(drafter, placement, model_dir, prompts, reference,
+                                                        request):
+    extra = ["--draft-model", str(request.getfixturevalue("draft_folder"))] if drafter == "model" else []
+    with Cluster("--aggregated", "--speculative", drafter, "--draft-placement", placement, *extra,
                  model_dir=model_dir) as cluster:
         try:
             got = asyncio.run(_one_at_a_time(cluster.nats_url, prompts))
             assert_same_greedy_tokens(reference, got, f"speculative {placement}")
             assert got == [r[0] for r in reference]
             worker = asyncio.run(health(cluster.nats_url, "worker", "worker-0")).detail
-            assert int(worker["spec_accepted"]) > 10, worker
+            assert int(worker["spec_drafted"]) > 10, worker
+            if drafter == "ngram":  # the prompts copy their context: n-gram drafts must land
+                assert int(worker["spec_accepted"]) > 10, worker
+            # the gateway's Prometheus series, from the usage of every request that speculated
+            import httpx
+
+            metrics = httpx.get(cluster.http_url.rstrip("/") + "/metrics", timeout=30).text
+            series = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("kvbus_spec_"))
+            assert float(series["kvbus_spec_draft_tokens_total"]) > 10, series
+            accepted = float(series["kvbus_spec_accepted_draft_tokens_total"])
+            assert float(series["kvbus_spec_draft_tokens_total"]) >= accepted, series
+            assert float(series["kvbus_spec_mean_accepted_length_count"]) >= 1, series
+            assert float(series["kvbus_spec_draft_time_share_count"]) >= 1, series
             if placement == "remote":
                 draft = asyncio.run(health(cluster.nats_url, "draft", "draft-0")).detail
                 assert int(draft["batches"]) > 0, draft
