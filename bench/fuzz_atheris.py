@@ -47,6 +47,32 @@ def _targets() -> dict[str, tuple[str, str]]:
     return out
 
 
+# Valid inputs the mutations start from, so libFuzzer reaches the checks behind the decoder.
+_SAMPLING = {"max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3,
+             "stop": ["x"], "stop_token_ids": [2], "logprobs": 2}
+SEEDS = {
+    "kvbus.v1.generate": [{"prompt": "hi", "sampling": _SAMPLING}, {"prompt_token_ids": [1, 2, 3]}],
+    "kvbus.v1.generate.once": [{"prompt": "hi", "sampling": _SAMPLING}, {"prompt_token_ids": [1, 2, 3]}],
+    "completions": [{"model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "stop": ["x"],
+                     "logprobs": 2, "stream": True}, {"model": "m", "prompt": [1, 2, 3]}],
+    "chat": [{"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+              "max_tokens": 4, "top_p": 0.5},
+             {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}],
+}
+
+
+def _write_seeds(kind: str, arg: str, corpus: str) -> None:
+    import json
+
+    import msgspec
+
+    key = arg.split("|")[0]
+    for i, seed in enumerate(SEEDS.get(key, [])):
+        data = msgspec.msgpack.encode(seed) if arg.endswith("|msgpack") else json.dumps(seed).encode()
+        with open(f"{corpus}/seed-{i}", "wb") as f:
+            f.write(data)
+
+
 def _child(kind: str, arg: str, runs: int, seed: int, workdir: str) -> None:
     import atheris
 
@@ -97,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(args.child[0], args.child[1], args.runs, args.seed, args.workdir)
         return 0
-    try:
-        import atheris  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("atheris") is None:
         print("bench.fuzz_atheris needs atheris: pip install atheris", file=sys.stderr)
         return 2
     rows, bad = [], False
@@ -108,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         workdir = tempfile.mkdtemp(prefix="kvbus-atheris-")
         os.makedirs(workdir + "/corpus")
+        _write_seeds(kind, arg, workdir + "/corpus")
         t0 = time.monotonic()
         res = subprocess.run([sys.executable, "-m", "bench.fuzz_atheris", "--child", kind, arg, "--runs",
                               str(args.runs), "--seed", str(args.seed), "--workdir", workdir],

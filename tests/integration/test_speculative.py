@@ -86,7 +86,10 @@ def draft_folder(model_dir, tmp_path_factory):
                                                ("model", "remote")])
 def test_greedy_through_kvbus_up_matches_plain_decoding(drafter, placement, model_dir, prompts, reference,
                                                         request):
-    extra = ["--draft-model", str(request.getfixturevalue("draft_folder"))] if drafter == "model" else []
+    # a model drafter's first proposal for a stream prefills its prompt: past the default 50 ms the
+    # worker would decode plainly for 2 s, and how much got drafted would depend on the machine's speed
+    extra = ["--draft-model", str(request.getfixturevalue("draft_folder")),
+             "--engine-args", "--draft-timeout 30"] if drafter == "model" else []
     with Cluster("--aggregated", "--speculative", drafter, "--draft-placement", placement, *extra,
                  model_dir=model_dir) as cluster:
         try:
@@ -94,7 +97,8 @@ def test_greedy_through_kvbus_up_matches_plain_decoding(drafter, placement, mode
             assert_same_greedy_tokens(reference, got, f"speculative {placement}")
             assert got == [r[0] for r in reference]
             worker = asyncio.run(health(cluster.nats_url, "worker", "worker-0")).detail
-            assert int(worker["spec_drafted"]) > 10, worker
+            # every request drafts in its first decode step (adaptive k starts from an assumed rate)
+            assert int(worker["spec_drafted"]) >= len(prompts), worker
             if drafter == "ngram":  # the prompts copy their context: n-gram drafts must land
                 assert int(worker["spec_accepted"]) > 10, worker
             # the gateway's Prometheus series, from the usage of every request that speculated
@@ -102,7 +106,7 @@ def test_greedy_through_kvbus_up_matches_plain_decoding(drafter, placement, mode
 
             metrics = httpx.get(cluster.http_url.rstrip("/") + "/metrics", timeout=30).text
             series = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("kvbus_spec_"))
-            assert float(series["kvbus_spec_draft_tokens_total"]) > 10, series
+            assert float(series["kvbus_spec_draft_tokens_total"]) >= len(prompts), series
             accepted = float(series["kvbus_spec_accepted_draft_tokens_total"])
             assert float(series["kvbus_spec_draft_tokens_total"]) >= accepted, series
             assert float(series["kvbus_spec_mean_accepted_length_count"]) >= 1, series
