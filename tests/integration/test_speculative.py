@@ -35,6 +35,27 @@ TEXTS = [
     "Here is a list: apple, banana, cherry, date, elderberry, fig, grape. Write the list again: apple,",
     "What are the three primary colors?",
 ]
+# twenty in all, as the in-process identity test (tests/engine/test_spec_decode.py): copy-heavy text
+# where drafts land and open questions where they mostly miss
+TEXTS += [
+    "Copy this JSON: {\"name\": \"kvbus\", \"version\": 3, \"tags\": [\"a\", \"b\"]}\nCopy:",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\nSELECT",
+    "Tell me a short story about a robot learning to paint.",
+    "a b c d e f g h i j k l m n o p a b c d e f g h i j k l m n o p a b c d",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+    "<ul>\n  <li>one</li>\n  <li>two</li>\n  <li>three</li>\n</ul>\nAgain:\n<ul>\n  <li>",
+    "Why is the sea salty?",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "Translate to French: good morning, good evening, good night.",
+    "red green blue red green blue red green blue red green",
+    "Write a haiku about the ocean.",
+    "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
+    "Explain what a hash table is in one sentence.",
+    "To be, or not to be, that is the question. To be, or not to be,",
+]
+assert len(TEXTS) == 20
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
 
 
