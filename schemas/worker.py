@@ -85,6 +85,10 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
     transfer: TransferTarget
     deadline_s: float | None = None
     """Seconds left for the prefill (and transfer) when the decode worker sent it; None: no deadline."""
+    skip_pages: int = 0
+    """Leading prompt pages the decode worker already holds (its prefix cache, or its host tier's
+    L2): the prefill worker still computes or loads them (later tokens attend to them) but sends only
+    the pages after them. At most ``(len(prompt_token_ids) - 1) // page_size``."""
 
 
 class PrefillReply(msgspec.Struct, frozen=True, kw_only=True):

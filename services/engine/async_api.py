@@ -63,16 +63,17 @@ class AsyncEngineMixin:
         return self._stream(request_id, lambda: self.add_request(request_id, prompt, params))
 
     async def prefill(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+        *, skip_pages: int = 0,
     ) -> PrefillResult:
-        """Prefill only: the first token and a copy of the prompt's KV pages.
+        """Prefill only: the first token and a copy of the prompt's KV pages from ``skip_pages`` on.
 
         The pages go back to this engine's prefix cache; cancelling aborts the request.
         """
         request_id = request_id or uuid.uuid4().hex
         out = None
-        async with contextlib.aclosing(
-                self._stream(request_id, lambda: self.add_prefill_request(request_id, prompt, params))) as outputs:
+        async with contextlib.aclosing(self._stream(request_id, lambda: self.add_prefill_request(
+                request_id, prompt, params, skip_pages=skip_pages))) as outputs:
             async for out in outputs:
                 if out.finished:
                     break
@@ -92,6 +93,7 @@ class AsyncEngineMixin:
         num_cached_tokens: int = 0,
         first_logprob: TokenLogprob | None = None,
         kv_scales: Seq[float] = (),
+        kv_first_page: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request prefilled elsewhere (see :meth:`add_prefilled_request`).
 
@@ -100,7 +102,7 @@ class AsyncEngineMixin:
         request_id = request_id or uuid.uuid4().hex
         return self._stream(request_id, lambda: self.add_prefilled_request(
             request_id, prompt_token_ids, first_token_id, kv, params, num_cached_tokens=num_cached_tokens,
-            first_logprob=first_logprob, kv_scales=kv_scales))
+            first_logprob=first_logprob, kv_scales=kv_scales, kv_first_page=kv_first_page))
 
     async def _stream(self, request_id: str, submit) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:

@@ -144,14 +144,23 @@ class LLMEngine(AsyncEngineMixin):
         self._mailbox.append(("add", seq))
 
     def add_prefill_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+        *, skip_pages: int = 0,
     ) -> None:
         """Compute only the prompt's KV and first token (a prefill worker's job).
 
-        The request finishes with its first token; its prompt pages are copied
-        out (:meth:`take_prefill_result`) and released to the prefix cache.
+        The request finishes with its first token; its prompt pages from
+        ``skip_pages`` on are copied out (:meth:`take_prefill_result`; the
+        receiver holds the ones before) and all are released to the prefix cache.
         """
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), with_text=False)
+        try:
+            self._check_skip_pages(seq, skip_pages)
+        except RequestError:
+            with self._lock:
+                self._live_ids.discard(request_id)
+            raise
+        seq.imported_first_page = skip_pages
         seq.is_prefill_only = True
         seq.max_output_tokens = 1
         self._mailbox.append(("add", seq))
@@ -171,13 +180,20 @@ class LLMEngine(AsyncEngineMixin):
         num_cached_tokens: int = 0,
         first_logprob: TokenLogprob | None = None,
         kv_scales: Seq[float] = (),
+        kv_first_page: int = 0,
     ) -> None:
-        """Continue a request prefilled elsewhere: ``kv`` holds its prompt's pages
-        (``[pages, layers, 2, page_size, Hkv, D]``, as :meth:`prefill` exports them) and
-        ``first_token_id`` its first generated token, which is streamed first."""
+        """Continue a request prefilled elsewhere: ``kv`` holds its prompt's pages from
+        ``kv_first_page`` on (``[pages, layers, 2, page_size, Hkv, D]``, as :meth:`prefill`
+        exports them) and ``first_token_id`` its first generated token, which is streamed first.
+
+        The pages before ``kv_first_page`` are expected in this engine's prefix cache or
+        host tier (the caller counted them when it asked for the prefill); any that left
+        meanwhile are recomputed here before the imported ones are written."""
         params = params or SamplingParams()
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         try:
+            self._check_skip_pages(seq, kv_first_page)
+            seq.imported_first_page = kv_first_page
             self._check_imported_kv(seq, first_token_id, kv, kv_scales)
         except RequestError:
             with self._lock:
@@ -192,13 +208,22 @@ class LLMEngine(AsyncEngineMixin):
         mc, pool = self.model_config, self.kv_pool
         if not 0 <= first_token_id < mc.vocab_size:
             raise RequestError(f"first_token_id must be in [0, {mc.vocab_size})")
-        want = (self.block_manager.pages_for(seq.num_prompt_tokens), *pool.data.shape[1:])
+        num_pages = self.block_manager.pages_for(seq.num_prompt_tokens) - seq.imported_first_page
+        want = (num_pages, *pool.data.shape[1:])
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
             raise RequestError(f"prefilled KV must be {list(want)}, got {list(getattr(kv, 'shape', []))}")
         if kv.dtype != pool.dtype:
             raise RequestError(f"prefilled KV is {kv.dtype}, this pool holds {pool.dtype}")
         if list(kv_scales) != self._kv_scales():
             raise RequestError(f"prefilled KV scales {list(kv_scales)} differ from this pool's {self._kv_scales()}")
+
+    def _check_skip_pages(self, seq: Sequence, skip_pages: int) -> None:
+        # The page holding the last prompt token is always computed (its logits give the first
+        # token), so at most the full pages before it can be skipped.
+        limit = (seq.num_prompt_tokens - 1) // self.block_manager.page_size
+        if not (isinstance(skip_pages, int) and 0 <= skip_pages <= limit):
+            raise RequestError(f"skip_pages must be in [0, {limit}] for a {seq.num_prompt_tokens}-token prompt "
+                               f"(pages of {self.block_manager.page_size} tokens), got {skip_pages}")
 
     def _kv_scales(self) -> list[float]:
         pool = self.kv_pool
@@ -273,7 +298,7 @@ class LLMEngine(AsyncEngineMixin):
         if batch.is_empty:
             return outputs
         for seq in batch.seqs[batch.num_decode :]:
-            if seq.imported_kv is not None:
+            if seq.imported_kv is not None and seq.num_computed_tokens == seq.num_tokens - 1:
                 self._write_imported_pages(seq)
         sampled_seqs, tokens, logprobs, errors = self.runner.run(batch)
         nd = batch.num_decode
@@ -282,6 +307,8 @@ class LLMEngine(AsyncEngineMixin):
             if id(seq) in verifying:
                 continue  # speculated: computed up to what it accepts (_append_verified)
             seq.num_computed_tokens += n
+            if seq.imported_kv is not None and seq.num_computed_tokens < seq.num_tokens - 1:
+                self._close_import_gap(seq)
             self.block_manager.index_computed_pages(seq)
         for i, (seq, toks, lps) in enumerate(zip(sampled_seqs, tokens, logprobs)):
             if i in errors:
@@ -408,19 +435,29 @@ class LLMEngine(AsyncEngineMixin):
                     self._prefill_results.pop(item, None)
         return outputs
 
+    def _close_import_gap(self, seq: Sequence) -> None:
+        """An imported sequence whose held prefix had shrunk computed the pages up to its
+        imported ones (Scheduler: ``import_gap``); once there, its imported pages go in."""
+        if seq.num_computed_tokens >= seq.imported_first_page * self.block_manager.page_size:
+            seq.import_from_page = seq.imported_first_page
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self._write_imported_pages(seq)
+
     def _write_imported_pages(self, seq: Sequence) -> None:
-        # Pages before import_from_page came from this pool's prefix cache (same tokens,
-        # same model, so the same KV); they may be shared and are left alone.
+        # Pages before import_from_page came from this pool's prefix cache or host tier, or
+        # were computed here (same tokens, same model, so the same KV); they may be shared
+        # and are left alone. imported_kv starts at page imported_first_page.
         end = self.block_manager.pages_for(seq.num_prompt_tokens)
-        start = seq.import_from_page
+        start, first = seq.import_from_page, seq.imported_first_page
+        assert start >= first, f"{seq}: pages {first}..{start} were neither held nor imported"
         if start < end:
             ids = torch.tensor(seq.page_ids[start:end], dtype=torch.int64, device=self.device)
-            scatter_pages(self.kv_pool.data, ids, seq.imported_kv[start:end].to(self.device))
+            scatter_pages(self.kv_pool.data, ids, seq.imported_kv[start - first : end - first].to(self.device))
         seq.imported_kv = None
 
     def _export_prompt_pages(self, seq: Sequence, first_token_id: int, lp: TokenLogprob | None) -> None:
         n = self.block_manager.pages_for(seq.num_prompt_tokens)
-        ids = torch.tensor(seq.page_ids[:n], dtype=torch.int64, device=self.device)
+        ids = torch.tensor(seq.page_ids[seq.imported_first_page : n], dtype=torch.int64, device=self.device)
         self._prefill_results[seq.request_id] = PrefillResult(
             first_token_id=first_token_id, kv=gather_pages(self.kv_pool.data, ids), kv_scales=self._kv_scales(),
             num_cached_tokens=seq.num_cached_tokens, first_logprob=lp,

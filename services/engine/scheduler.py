@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.num_import_gaps = 0  # imported sequences whose held prefix had shrunk (recomputed here)
 
     @property
     def num_unfinished(self) -> int:
@@ -158,7 +159,7 @@ class Scheduler:
         for seq in self.running:
             if seq.is_decoding or seq in batch.out_of_pages:
                 continue
-            n = self._prefill_chunk(seq.num_uncomputed_tokens, budget, is_first)
+            n = self._prefill_chunk(self._uncomputed(seq), budget, is_first)
             if n <= 0:
                 return
             batch.seqs.append(seq)
@@ -182,15 +183,31 @@ class Scheduler:
             if seq.imported_kv is not None:
                 # Prompt KV computed elsewhere: the engine writes the pages the prefix
                 # cache did not cover before this step's forward; only the first
-                # generated token is left to compute.
-                seq.import_from_page = seq.num_computed_tokens // self.bm.page_size
-                seq.num_computed_tokens = seq.num_tokens - 1
+                # generated token is left to compute. When pages before the imported
+                # ones left this pool since the worker counted them, those are
+                # computed first (chunks capped by _uncomputed) and the engine writes
+                # the imported pages when they are done (LLMEngine._close_import_gap).
+                have = seq.num_computed_tokens // self.bm.page_size
+                if have >= seq.imported_first_page:
+                    seq.import_from_page = have
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                else:
+                    self.num_import_gaps += 1
             self.running.append(seq)
-            n = self._prefill_chunk(seq.num_uncomputed_tokens, budget, is_first)
+            n = self._prefill_chunk(self._uncomputed(seq), budget, is_first)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
             is_first = False
+
+    def _uncomputed(self, seq: Sequence) -> int:
+        """Tokens ``seq`` still has to compute; an imported sequence filling a gap before its
+        imported pages stops at them."""
+        if seq.imported_kv is not None:
+            gap_end = seq.imported_first_page * self.bm.page_size
+            if seq.num_computed_tokens < gap_end:
+                return gap_end - seq.num_computed_tokens
+        return seq.num_uncomputed_tokens
 
     def _reserve(self) -> int:
         # Headroom so admitting a prompt does not immediately force a

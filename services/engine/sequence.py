@@ -60,6 +60,9 @@ class Sequence:
         self.is_prefill_only = False
         self.imported_kv = None  # [pages, layers, 2, page_size, Hkv, D] until written
         self.import_from_page = 0
+        # Leading pages the other side of a transfer holds: an imported sequence's kv starts
+        # here; a prefill-only one exports from here.
+        self.imported_first_page = 0
         # Speculative decoding (services/engine/spec_decode.py): the drafted tokens for the
         # positions after the last token, what the drafter drew them from (None: q = 1 on
         # each), and the per-sequence state of adaptive k.

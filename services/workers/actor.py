@@ -125,25 +125,32 @@ class EngineWorker(Actor):
                 log.debug("kv_store not attached: %s", exc)
             await asyncio.sleep(self.config.hicache_reconnect_interval)
 
-    async def prefetch_tiers(self, prompt_token_ids: list[int]) -> None:
+    async def prefetch_tiers(self, prompt_token_ids: list[int]) -> int:
         """Before queueing a request: learn which of its pages missing from L1 the host tier
-        holds, so the engine's admission loads them without a bus round trip."""
-        tier = self.tier
-        if tier is None or not tier.is_attached or not tier.link.healthy:
-            return
+        holds, so the engine's admission loads them without a bus round trip.
+
+        Returns how many leading prompt pages this worker holds now: its prefix cache's run,
+        then the host tier's (when at least ``hicache_min_load_pages``). A count, not a pin:
+        pages may leave before the request is admitted (they are then recomputed).
+        """
         from services.engine.page_hash import page_hashes
 
         bm = self.engine.block_manager
+        if not bm.enable_prefix_caching:
+            return 0
         limit = (len(prompt_token_ids) - 1) // bm.page_size
         hashes = page_hashes(prompt_token_ids[: limit * bm.page_size], bm.page_size, self.config.cache_salt)
         start = 0
         while start < len(hashes) and hashes[start] in bm.hash_to_page_id:
             start += 1
-        if start < len(hashes):
-            try:
-                await asyncio.wait_for(tier.prefetch(hashes[start:]), self.config.hicache_timeout)
-            except asyncio.TimeoutError:
-                pass
+        tier = self.tier
+        if start == len(hashes) or tier is None or not tier.is_attached or not tier.link.healthy:
+            return start
+        try:
+            in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), self.config.hicache_timeout)
+        except asyncio.TimeoutError:
+            return start
+        return start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
 
     async def handle_kv_dump(self, req: KVDumpRequest) -> KVDumpReply:
         hooks = self.engine.block_manager.hooks

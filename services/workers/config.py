@@ -33,6 +33,9 @@ class WorkerConfig(EngineConfig):
     """KV transfer backend: auto (shm on the same host, else nats), shm or nats."""
     transfer_timeout: float = 30.0
     """Seconds a KV transfer may take before it is abandoned and its pages freed."""
+    transfer_missing_only: bool = True
+    """Decode workers: tell the prefill worker how many leading prompt pages this worker holds (prefix
+    cache, or host tier with hicache), so only the pages after them cross the transfer layer."""
     host_id: str | None = None
     """Identity of this machine for shared-memory transfer; default: the host name."""
     draft_placement: str = "local"

@@ -33,6 +33,9 @@ class DecodeActor(WorkerActor):
         self.num_local_prefills = 0
         self.num_prefill_failures = 0
         self.num_transfers = {"shm": 0, "nats": 0}
+        self.transfer_bytes = 0  # KV payload received from prefill workers
+        self.transfer_pages = 0
+        self.transfer_pages_skipped = 0  # prompt pages not sent: this worker held them
 
     async def start(self, bus) -> None:
         from services.transfer import KVReceiver
@@ -73,9 +76,12 @@ class DecodeActor(WorkerActor):
             timeout = max(min(timeout, req.deadline_s), 0.001)
         peer = req.prefill_worker_id
         try:
+            # Pages this worker holds need not cross; the L2 ones are loaded at admission.
+            skip = await self.prefetch_tiers(req.prompt_token_ids) if self.config.transfer_missing_only else 0
             reply = await self.liveness.guard(self.bus.request(
                 PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling=req.sampling, transfer=target, deadline_s=timeout),
+                                        sampling=req.sampling, transfer=target, deadline_s=timeout,
+                                        skip_pages=skip),
                 timeout=timeout, worker_id=peer), peer, f"prefill of {req.request_id}")
             t1 = time.monotonic()
             try:
@@ -91,13 +97,19 @@ class DecodeActor(WorkerActor):
         timings.update({**reply.timings, "prefill_call_s": t1 - t0, "transfer_receive_s": t2 - t1})
         self.num_remote_prefills += 1
         self.num_transfers[reply.kv.backend] = self.num_transfers.get(reply.kv.backend, 0) + 1
+        self.transfer_bytes += reply.kv.num_bytes
+        self.transfer_pages += kv.shape[0] if kv.dim() else 0
+        self.transfer_pages_skipped += skip
         return self.engine.generate_prefilled(
             req.prompt_token_ids, reply.first_token_id, kv, req.sampling, request_id=req.request_id,
             num_cached_tokens=reply.num_cached_tokens, first_logprob=reply.first_logprob,
-            kv_scales=reply.kv.scales)
+            kv_scales=reply.kv.scales, kv_first_page=skip)
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),
                 "local_prefills": str(self.num_local_prefills),
                 "prefill_failures": str(self.num_prefill_failures),
+                "transfer_bytes": str(self.transfer_bytes), "transfer_pages": str(self.transfer_pages),
+                "transfer_pages_skipped": str(self.transfer_pages_skipped),
+                "import_gaps": str(self.engine.scheduler.num_import_gaps),
                 **{f"transfers_{name}": str(n) for name, n in self.num_transfers.items()}}

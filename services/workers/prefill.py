@@ -44,7 +44,8 @@ class PrefillActor(EngineWorker):
         t0 = time.monotonic()
         await self.prefetch_tiers(req.prompt_token_ids)  # host-tier hits load instead of recomputing
         try:
-            result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+            result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id,
+                                               skip_pages=req.skip_pages)
         except RequestError as exc:
             raise InvalidArgument(str(exc)) from None
         t1 = time.monotonic()

@@ -36,6 +36,15 @@ def reference(engines):
     return engine.generate_sync([PROMPT], GREEDY)[0].token_ids
 
 
+NEXT_TURN = list(range(2000, 2040))
+
+
+@pytest.fixture(scope="module")
+def reference_turn2(engines, reference):
+    _, engine, _ = engines
+    return engine.generate_sync([PROMPT + reference + NEXT_TURN], GREEDY)[0].token_ids
+
+
 @pytest.fixture
 async def system(engines):
     config, prefill_engine, decode_engine = engines
@@ -52,8 +61,8 @@ async def system(engines):
         await actor.stop()
 
 
-async def generate(client, prefill_worker_id: str | None, params=GREEDY) -> list[int]:
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=params,
+async def generate(client, prefill_worker_id: str | None, params=GREEDY, prompt=PROMPT) -> list[int]:
+    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=params,
                                 prefill_worker_id=prefill_worker_id, stream_interval=2)
     out: list[int] = []
     async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
@@ -132,3 +141,29 @@ async def test_full_worker_answers_overloaded(system):
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
+
+
+async def test_only_the_pages_the_decode_worker_lacks_cross(system, reference, reference_turn2):
+    """Turn 2 of a conversation resends turn 1 and its answer; the decode worker holds their pages
+    (prompt and generated alike), so only the pages after them are sent."""
+    prefill, decode, client = system
+    assert await generate(client, "prefill-0") == reference
+    turn2 = PROMPT + reference + NEXT_TURN  # 129 tokens: 8 full pages before the last token's page
+    sent, skipped, nbytes = decode.transfer_pages, decode.transfer_pages_skipped, decode.transfer_bytes
+    assert await generate(client, "prefill-0", prompt=turn2) == reference_turn2
+    num_skipped = decode.transfer_pages_skipped - skipped
+    assert num_skipped >= 5  # turn 1's 88 computed tokens: 5 full pages
+    assert decode.transfer_pages - sent == 9 - num_skipped
+    page_bytes = (decode.transfer_bytes - nbytes) // (9 - num_skipped)
+
+    decode.config = decode.config.replace(transfer_missing_only=False)  # the old path: every page crosses
+    sent, skipped, nbytes = decode.transfer_pages, decode.transfer_pages_skipped, decode.transfer_bytes
+    assert await generate(client, "prefill-0", prompt=turn2) == reference_turn2
+    assert decode.transfer_pages - sent == 9 and decode.transfer_pages_skipped == skipped
+    assert decode.transfer_bytes - nbytes == 9 * page_bytes
+    assert decode.num_local_prefills == 0 and decode.num_prefill_failures == 0
+    for _ in range(100):
+        if all_pages_free(prefill, decode):
+            break
+        await asyncio.sleep(0.05)
+    assert all_pages_free(prefill, decode)

@@ -141,3 +141,85 @@ def test_fp8_pages_carry_their_scales(model_dir, prompt_ids):
     eng.block_manager.evict_all_cached()
     outs = decode_sync(eng, "d", prompt, result, SamplingParams(temperature=0.0, max_tokens=8))
     assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+
+
+# ---- only the missing pages cross: the receiver holds a prefix (skip_pages / kv_first_page) ----
+
+def _warm_prefix(engine, prompt, num_pages):
+    """Leave exactly the prompt's first ``num_pages`` pages in the engine's prefix cache."""
+    engine.block_manager.evict_all_cached()
+    if num_pages:
+        engine.generate_sync([prompt[: num_pages * 16 + 1]], SamplingParams(temperature=0.0, max_tokens=1))
+    assert engine.block_manager.num_cached_pages == num_pages
+
+
+@pytest.mark.parametrize("held,skip,chunk", [(7, 7, None), (10, 7, None), (2, 10, None), (0, 10, 48)],
+                         ids=["held-as-counted", "held-more", "gap-recomputed", "gap-in-chunks"])
+def test_only_the_missing_pages_are_imported(model_dir, prompt_ids, held, skip, chunk):
+    """The decode side counted ``skip`` held pages; by admission it holds ``held``. The output is
+    the same either way; a shrunken prefix (held < skip) is recomputed up to the imported pages."""
+    from tests.engine.conftest import make_engine
+
+    eng = make_engine(model_dir, kv_cache_memory=0.05, **({"chunked_prefill_size": chunk} if chunk else {}))
+    prompt = prompt_ids[3]  # 189 tokens: 11 full pages before the last token's
+    pages = eng.block_manager.pages_for(len(prompt))
+    [ref] = eng.generate_sync([prompt], GREEDY)
+    eng.block_manager.evict_all_cached()
+    eng.add_prefill_request("p", prompt, GREEDY, skip_pages=skip)
+    while eng.has_unfinished():
+        eng.step()
+    result = eng.take_prefill_result("p")
+    assert tuple(result.kv.shape) == (pages - skip, 30, 2, 16, 3, 64)
+    assert result.first_token_id == ref.token_ids[0]
+
+    _warm_prefix(eng, prompt, held)
+    before = eng.stats.num_prefill_tokens
+    eng.add_prefilled_request("d", prompt, result.first_token_id, result.kv, GREEDY, kv_first_page=skip)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+    gap = max(skip - held, 0) * 16
+    computed = eng.stats.num_prefill_tokens - before
+    # a gap is computed as prefill; without one only the first generated token's row runs
+    assert computed == (gap if gap else 1)
+    assert eng.scheduler.num_import_gaps == (1 if gap else 0)
+    assert not eng.has_unfinished() and eng.block_manager.num_used_pages == 0
+    # every prompt page is in the prefix cache afterwards, imported or recomputed alike
+    [again] = eng.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    assert again.usage.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+
+
+def test_skip_pages_out_of_range_are_request_errors(engine, prompt_ids):
+    prompt = prompt_ids[0]
+    limit = (len(prompt) - 1) // 16
+    for bad in (-1, limit + 1):
+        with pytest.raises(RequestError, match="skip_pages"):
+            engine.add_prefill_request("x", prompt, GREEDY, skip_pages=bad)
+    result = prefill_sync(engine, "p", prompt)
+    with pytest.raises(RequestError, match="skip_pages"):
+        engine.add_prefilled_request("x", prompt, result.first_token_id, result.kv, kv_first_page=limit + 1)
+    if limit:  # the whole prompt's pages do not fit a kv that should start later
+        with pytest.raises(RequestError, match="must be"):
+            engine.add_prefilled_request("x", prompt, result.first_token_id, result.kv, kv_first_page=1)
+    assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
+
+
+def test_abort_while_the_gap_is_computed(model_dir, prompt_ids):
+    from tests.engine.conftest import make_engine
+
+    eng = make_engine(model_dir, kv_cache_memory=0.05, chunked_prefill_size=32)
+    prompt = prompt_ids[3]
+    eng.add_prefill_request("p", prompt, GREEDY, skip_pages=10)
+    while eng.has_unfinished():
+        eng.step()
+    result = eng.take_prefill_result("p")
+    eng.block_manager.evict_all_cached()
+    eng.add_prefilled_request("d", prompt, result.first_token_id, result.kv, GREEDY, kv_first_page=10)
+    eng.step()
+    eng.step()  # two 32-token chunks of the 160-token gap
+    seq = eng._seqs["d"]
+    assert seq.imported_kv is not None and seq.num_computed_tokens == 64
+    eng.abort("d")
+    assert eng.step()[-1].finish_reason == "abort"
+    assert not eng.has_unfinished() and eng.block_manager.num_used_pages == 0

@@ -152,3 +152,40 @@ async def test_store_dies_workers_recompute_then_hits_resume(system, reference):
     b.engine.block_manager.evict_all_cached()
     assert await generate(client, "worker-b") == reference
     assert b.tier.stats["loaded_back"] == loaded + 4
+
+
+async def test_a_decode_worker_counts_host_tier_pages_as_held(system, config, reference):
+    """1P1D with HiCache: pages in L2 (written by another worker) are loaded by the decode worker,
+    so they are not sent by the prefill worker either: only the page with the last token crosses."""
+    from services.workers.decode import DecodeActor
+    from services.workers.prefill import PrefillActor
+
+    network, state, (a, _), client = system
+    store = state["store"]
+    await wait_for(lambda: a.tier.is_attached, what="worker attached")
+    assert await generate(client, "worker-a") == reference
+    await wait_for(lambda: store.core.index.num_stored >= 4, what="write-through commits")
+    pair, buses = [], []
+    for cls, wid in ((PrefillActor, "prefill-x"), (DecodeActor, "decode-x")):
+        bus = memory_bus(network)
+        actor = cls(config.replace(kv_transfer="nats"), worker_id=wid)
+        await actor.start(bus)
+        pair.append(actor)
+        buses.append(bus)
+    prefill, decode = pair
+    try:
+        await wait_for(lambda: prefill.tier.is_attached and decode.tier.is_attached, what="pair attached")
+        req = WorkerGenerateRequest(request_id="turn", prompt_token_ids=PROMPT, sampling=GREEDY,
+                                    prefill_worker_id="prefill-x")
+        out = []
+        async with client.stream(WORKER_GENERATE, req, worker_id="decode-x") as chunks:
+            async for chunk in chunks:
+                out += chunk.token_ids
+        assert out == reference
+        assert decode.num_remote_prefills == 1
+        assert (decode.transfer_pages_skipped, decode.transfer_pages) == (4, 1)
+        assert decode.tier.stats["loaded_back"] == 4 and prefill.tier.stats["loaded_back"] == 4
+        assert decode.engine.scheduler.num_import_gaps == 0
+    finally:
+        for actor, bus in zip(pair, buses):
+            await stop(actor, bus)
