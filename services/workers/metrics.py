@@ -71,17 +71,17 @@ class _WorkerCollector:
                            bm.num_cached_pages)
         yield self._family(c, "kvbus_engine_kv_pages_evicted", "Cached pages evicted from L1 (the KV pool).",
                            bm.num_evictions)
-        # Prefix cache, in prompt tokens of finished requests (the usage's split).
-        prompt, cached, host = st.num_prompt_tokens, st.num_cached_prompt_tokens, st.num_cached_host_tokens
-        yield self._family(c, "kvbus_engine_prompt_tokens", "Prompt tokens of finished requests.", prompt)
+        # Prefix cache, in prompt tokens of finished requests (the usage's split). Misses are
+        # prompt - hits in PromQL: a difference taken here could step back between two engine
+        # updates, and a counter must never decrease.
+        yield self._family(c, "kvbus_engine_prompt_tokens", "Prompt tokens of finished requests.",
+                           st.num_prompt_tokens)
         hits = CounterMetricFamily("kvbus_engine_prefix_cache_hit_tokens",
                                    "Prompt tokens not computed: found in L1 (tier=device) or loaded back from "
                                    "HiCache (tier=host, L3 promotions included).", labels=[*self.names, "tier"])
-        hits.add_metric([*self.values, "device"], cached - host)
-        hits.add_metric([*self.values, "host"], host)
+        hits.add_metric([*self.values, "device"], st.num_cached_device_tokens)
+        hits.add_metric([*self.values, "host"], st.num_cached_host_tokens)
         yield hits
-        yield self._family(c, "kvbus_engine_prefix_cache_miss_tokens", "Prompt tokens computed (no tier held them).",
-                           prompt - cached)
         tier = w.tier
         if tier is None:
             return

@@ -123,7 +123,7 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_hicache_written_back_bytes_total", ())] == hicache(d, "write_back_bytes") == 4 * a.tier.page_bytes
         assert m[("kvbus_hicache_written_back_sync_pages_total", ())] == hicache(d, "written_sync") == 0
         assert m[("kvbus_engine_prompt_tokens_total", ())] == len(PROMPT)
-        assert m[("kvbus_engine_prefix_cache_miss_tokens_total", ())] == len(PROMPT)
+        assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 0
         assert m[("kvbus_engine_kv_pages_total", ())] == int(d["total_pages"])
         assert m[("kvbus_engine_kv_pages_free", ())] == int(d["free_pages"])
         assert m[("kvbus_engine_requests_running", ())] == 0
@@ -140,7 +140,12 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_hicache_load_back_seconds_bucket", (("le", "+Inf"),))] == 1
         assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "host"),))] == 4 * PAGE
         assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 0
-        assert m[("kvbus_engine_prefix_cache_miss_tokens_total", ())] == len(PROMPT) - 4 * PAGE
+        assert m[("kvbus_engine_prompt_tokens_total", ())] == len(PROMPT)
+        assert await generate(client, "worker-a") == first  # worker-a's L1 still holds the prompt
+        m = await scrape(a.metrics_server.url)
+        assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 4 * PAGE
+        assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "host"),))] == 0
+        assert m[("kvbus_engine_prompt_tokens_total", ())] == 2 * len(PROMPT)
 
         s = await scrape(store.metrics_server.url)
         sd = store.health_detail()
@@ -226,3 +231,27 @@ async def test_store_series_follow_spills_promotions_and_corruption(tmp_path):
     assert m[("kvbus_kv_store_slots", (("state", "stored"),))] == int(detail["stored"]) == 3
     assert m[("kvbus_kv_store_pages", (("tier", "disk"),))] == int(detail["disk_pages"])
     core.close()
+
+
+async def test_prefill_and_decode_workers_serve_their_series(tiny_model):
+    from services.workers.decode import DecodeActor
+    from services.workers.prefill import PrefillActor
+
+    network, store, _, started = await start_system(tiny_model, "write_back", ())
+    try:
+        for cls, wid in ((PrefillActor, "prefill-m"), (DecodeActor, "decode-m")):
+            bus = memory_bus(network)
+            worker = cls(worker_config(tiny_model, "write_back"), worker_id=wid)
+            await worker.start(bus)
+            started.append((worker, bus))
+            await wait_for(lambda: worker.tier.is_attached, what=f"{wid} attached")
+            async with httpx.AsyncClient(timeout=30) as client:
+                text = (await client.get(worker.metrics_server.url)).text
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            (total,) = fams["kvbus_engine_kv_pages_total"].samples
+            assert total.labels == {"role": cls.role, "worker_id": wid}
+            assert total.value == worker.engine.block_manager.num_pages > 0
+            assert fams["kvbus_hicache_attached"].samples[0].value == 1
+            assert fams["kvbus_hicache_load_back_seconds"].samples[0].labels["role"] == cls.role
+    finally:
+        await stop_all(started)
