@@ -34,12 +34,12 @@ from schemas.kv_store import (
     KVStoreTouchEvent,
 )
 from services.actor import Actor
-from services.metrics_http import start_metrics
 from services.config import ConfigError
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.events import KVEventPublisher
 from services.kv_store.metrics import KVStoreMetrics
 from services.kv_store.store import StoreCore
+from services.metrics_http import start_metrics
 from services.workers.config import default_host_id
 
 log = logging.getLogger(__name__)
