@@ -24,7 +24,7 @@ class LocalSystem:
     def __init__(self, *args: str, model_dir: Path | None = None, timeout: float = 240.0,
                  env: dict[str, str] | None = None):
         argv = [sys.executable, "-m", "services.cli", "up", "--nats-port", "0", "--http-port", "0",
-                "--kv-cache-memory", "0.5", *args]
+                "--metrics-port", "0", "--kv-cache-memory", "0.5", *args]
         if model_dir is not None:
             argv += ["--model", str(model_dir)]
         self.argv = argv
@@ -33,6 +33,8 @@ class LocalSystem:
         self.lines: list[str] = []
         self.nats_url: str | None = None
         self.http_url: str | None = None
+        self.metrics_urls: dict[str, str] = {}
+        """Prometheus endpoint per service (kv_store, engine workers), by worker id."""
         self._ready = threading.Event()
         self.proc: subprocess.Popen | None = None
 
@@ -55,6 +57,8 @@ class LocalSystem:
                 self.nats_url = m.group(1)
             if m := re.search(r"HTTP \(OpenAI API\): (http://\S+)/v1", line):
                 self.http_url = m.group(1)
+            if m := re.search(r"\[kvbus\] metrics \(Prometheus\): (\S+) (http://\S+)", line):
+                self.metrics_urls[m.group(1)] = m.group(2)
             if "[kvbus] Ctrl-C stops everything" in line:  # printed last, after every URL
                 self._ready.set()
 

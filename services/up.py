@@ -41,6 +41,8 @@ class Child:
     started_at: float = 0.0
     restart_at: float | None = None
     """When the dead process is due to be restarted (None: alive, or not yet noticed)."""
+    metrics_port: int | None = None
+    """Port of its Prometheus endpoint (engine workers and the kv_store)."""
 
 
 RESTART_DELAY_S = 1.0
@@ -120,6 +122,30 @@ def split_cores(cores: list[int], engines: list[str], share: bool) -> dict[str, 
         out[engine] = (frozenset(cores[start:start + size]), size)
         start += size
     return out
+
+
+METERED_ROLES = ("kv_store", "worker", "prefill", "decode")
+"""Roles that serve GET /metrics on a port of their own (the gateway has its own on its HTTP port)."""
+
+
+def metrics_ports(names: list[str], base: int, avoid: set[int] = frozenset()) -> dict[str, int]:
+    """A Prometheus port per service: ``base``, ``base + 1``, ... in order; free ports for ``base`` 0;
+    none for ``base`` < 0. Raises RuntimeError when a port of the range is taken or in ``avoid``."""
+    if base < 0:
+        return {}
+    if base == 0:
+        ports: dict[str, int] = {}
+        while len(ports) < len(names):
+            port = free_port()
+            if port not in avoid and port not in ports.values():
+                ports[names[len(ports)]] = port
+        return ports
+    ports = {name: base + i for i, name in enumerate(names)}
+    for name, port in ports.items():
+        if port > 65535 or port in avoid or port_is_taken(port):
+            raise RuntimeError(f"metrics port {port} (for {name}) is taken; pass --metrics-port 0 for free "
+                               "ports, another base, or -1 for none")
+    return ports
 
 
 def say(text: str) -> None:
@@ -258,6 +284,15 @@ async def first_request(bus, roles: dict[str, list[str]]) -> str:
     return f"{GENERATE_ONCE.template} {question!r} -> {reply.text!r} ({reply.usage.completion_tokens} tokens)"
 
 
+def _port_of(url: str) -> int | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
+
+
 def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, list[str]], list[Child]]:
     """Which processes to start: role -> worker ids, and their command lines."""
     from services.registry import ROLES
@@ -277,6 +312,9 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
             roles["draft"] = ["draft-0"]
     engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
     placement = split_cores(usable_cores(), engines, args.share_cores)
+    metered = [wid for role in METERED_ROLES for wid in roles.get(role, [])]
+    ports = metrics_ports(metered, getattr(args, "metrics_port", -1),
+                          {p for p in (getattr(args, "http_port", 0), _port_of(nats_url)) if p})
     py = sys.executable
     children = []
     for role, ids in roles.items():
@@ -315,7 +353,9 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
                 if args.api_key_file:  # keys themselves travel in KVBUS_API_KEY (inherited), never in argv
                     argv += ["--api-key-file", args.api_key_file]
-            children.append(Child(wid, argv, cpus if not args.num_threads else None))
+            if wid in ports:
+                argv += ["--metrics-port", str(ports[wid]), "--metrics-host", args.metrics_host]
+            children.append(Child(wid, argv, cpus if not args.num_threads else None, metrics_port=ports.get(wid)))
     return roles, children
 
 
@@ -396,6 +436,9 @@ async def up(args: argparse.Namespace) -> int:
             else:
                 say(f"call it:  kvbus call kvbus.v1.tokenizer.encode '{{\"text\": \"your text\"}}' "
                     f"--nats-url {nats_url}")
+            for child in children:
+                if child.metrics_port is not None:
+                    say(f"metrics (Prometheus): {child.name} http://{args.metrics_host}:{child.metrics_port}/metrics")
             say("traces: set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4318) before `kvbus up`")
             if args.exit_after_ready:
                 return 0
@@ -461,6 +504,10 @@ def up_main(argv: list[str]) -> int:
                         choices=["write_back", "write_through", "write_through_selective"])
     parser.add_argument("--http-host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=9400,
+                        help="first Prometheus port: the kv_store and the engine workers serve GET /metrics on "
+                             "this port and the next ones, in that order (0: free ports; -1: none)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoints listen on")
     parser.add_argument("--api-key-file", default=None,
                         help="file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)")
     parser.add_argument("--ready-timeout", type=float, default=180.0)
@@ -473,6 +520,8 @@ def up_main(argv: list[str]) -> int:
     for name in ("tokenizers", "prefill", "decode", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if not -1 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be a port, 0 (free ports) or -1 (none)")
     if args.aggregated and (args.prefill or args.decode or args.layout == "disaggregated"):
         parser.error("--aggregated contradicts --prefill/--decode/--layout disaggregated")
     args.layout, args.layout_why = choose_layout(args, len(usable_cores()))

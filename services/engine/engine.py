@@ -506,6 +506,8 @@ class LLMEngine(AsyncEngineMixin):
         usage = self._usage(seq)
         self.stats.num_prompt_tokens += usage.prompt_tokens
         self.stats.num_cached_prompt_tokens += usage.cached_prompt_tokens
+        self.stats.num_cached_device_tokens += usage.cached_tokens_device
+        self.stats.num_cached_host_tokens += usage.cached_tokens_host
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,

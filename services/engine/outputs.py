@@ -45,6 +45,8 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_cached_device_tokens: int = 0  # of those, L1 hits (counted apart so each is monotonic: Prometheus)
+    num_cached_host_tokens: int = 0  # and loaded back from a lower tier (HiCache L2/L3)
     # speculative decoding
     num_spec_steps: int = 0  # sequence-steps that verified drafts
     num_drafted_tokens: int = 0

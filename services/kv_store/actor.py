@@ -37,7 +37,9 @@ from services.actor import Actor
 from services.config import ConfigError
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.events import KVEventPublisher
+from services.kv_store.metrics import KVStoreMetrics
 from services.kv_store.store import StoreCore
+from services.metrics_http import start_metrics
 from services.workers.config import default_host_id
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class KVStoreActor(Actor):
         self.host_id = config.host_id or default_host_id()
         self.events: KVEventPublisher | None = None
         self.core: StoreCore | None = None
+        self.metrics = KVStoreMetrics(self)
+        self.metrics_server = None  # GET /metrics when config.metrics_port
 
     async def setup(self) -> None:
         self.events = KVEventPublisher(self.worker_id, self.host_id)
@@ -70,9 +74,14 @@ class KVStoreActor(Actor):
         await bus.subscribe(KV_STORE_COMMIT, self.handle_commit, host_id=self.host_id)
         await bus.subscribe(KV_STORE_TOUCH, self.handle_touch, host_id=self.host_id)
         self.events.start(bus)
+        self.metrics_server = await start_metrics(self.metrics.registry, self.config.metrics_host,
+                                                  self.config.metrics_port, f"kv_store {self.worker_id}")
 
     async def stop(self) -> None:
         await super().stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+            self.metrics_server = None
         if self.events is not None:
             await self.events.close()
         if self.core is not None:

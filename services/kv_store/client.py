@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,8 @@ class HostTierClient(CacheTierHooks):
         self._thread: threading.Thread | None = None
         self.stats = {k: 0 for k in ("written_back", "write_back_bytes", "loaded_back", "load_back_bytes",
                                      "hits", "misses", "dropped", "written_sync", "verify_failed", "load_back_seconds")}
+        self.observe_load_back: Callable[[float], None] | None = None
+        """Called with each load-back's seconds (the worker's latency histogram), on the engine thread."""
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -191,6 +193,11 @@ class HostTierClient(CacheTierHooks):
     def num_leased(self) -> int:
         return len(self._leased)
 
+    @property
+    def num_queued(self) -> int:
+        """Write-back copies queued for the copy thread and not yet started."""
+        return self._jobs.qsize()
+
     def _refill(self) -> None:
         if self._refilling or self.arena is None:
             return
@@ -267,7 +274,10 @@ class HostTierClient(CacheTierHooks):
         self.stats["hits"] += 1 if n else 0
         self.stats["loaded_back"] += n
         self.stats["load_back_bytes"] += n * self.page_bytes
-        self.stats["load_back_seconds"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats["load_back_seconds"] += seconds
+        if self.observe_load_back is not None:
+            self.observe_load_back(seconds)
         if n:
             self.link.touch(list(page_hashes[:n]))
         return n

@@ -25,6 +25,10 @@ class KVStoreConfig:
     """A page evicted from L2 goes to L3 only if it was hit at least this many times in L2 (0: always)."""
     max_lease: int = 256
     """Most empty slots one engine may hold for write-back at once (and never more than 1/16 of the arena)."""
+    metrics_port: int = 0
+    """Port of the store's Prometheus endpoint (GET /metrics: slots, hits and misses per tier, evictions); 0: none."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
         if not self.hicache_ratio > 0:
@@ -35,3 +39,5 @@ class KVStoreConfig:
             raise ConfigError("KVStoreConfig.memory_reserve must be >= 0 and hicache_storage_size > 0")
         if self.hicache_l3_admit_hits < 0 or self.max_lease < 1:
             raise ConfigError("KVStoreConfig.hicache_l3_admit_hits must be >= 0 and max_lease >= 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"KVStoreConfig.metrics_port must be in 0..65535, got {self.metrics_port}")

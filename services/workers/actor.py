@@ -21,8 +21,10 @@ from schemas.kv_store import KVDumpReply, KVDumpRequest
 from schemas.engine import RequestOutput
 from schemas.worker import TokenChunk, WorkerGenerateRequest, WorkerHeartbeatEvent, WorkerLoad
 from services.actor import Actor
+from services.metrics_http import start_metrics
 from services.workers.admission import Admission
 from services.workers.config import WorkerConfig, default_host_id
+from services.workers.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class EngineWorker(Actor):
         self.tier = None  # HiCache client (services/kv_store/client.py) when config.hicache
         self.kv_events = None
         self._tier_task: asyncio.Task | None = None
+        self.metrics = WorkerMetrics(self)
+        self.metrics_server = None  # GET /metrics when config.metrics_port
 
     async def setup(self) -> None:
         from services.kv_store.events import DeviceEventHooks, KVEventPublisher
@@ -60,6 +64,7 @@ class EngineWorker(Actor):
                 model=str(cfg.model or "default"), write_policy=cfg.hicache_write_policy,
                 selective_hits=cfg.hicache_selective_hits, min_load_pages=cfg.hicache_min_load_pages)
             hooks.append(self.tier)
+            self.metrics.attach_tier(self.tier)
         if self.engine is None:
             from services.engine import LLMEngine
 
@@ -89,9 +94,14 @@ class EngineWorker(Actor):
         if self.tier is not None:
             self.tier.link.bus = bus
             self._tier_task = asyncio.create_task(self._tier_loop(), name="hicache-attach")
+        self.metrics_server = await start_metrics(self.metrics.registry, c.metrics_host, c.metrics_port,
+                                                  f"{self.role} {self.worker_id}")
 
     async def stop(self) -> None:
         await super().stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+            self.metrics_server = None
         for task in (self._heartbeat_task, self._tier_task):
             if task is not None:
                 task.cancel()

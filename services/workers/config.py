@@ -54,6 +54,10 @@ class WorkerConfig(EngineConfig):
     """Seconds between checks of the attachment to the kv_store (a restarted store is re-attached)."""
     hicache_timeout: float = 0.25
     """Seconds the worker waits for the kv_store's lookup before queueing a request anyway (then: recompute)."""
+    metrics_port: int = 0
+    """Port of this worker's Prometheus endpoint (GET /metrics: cache hits, HiCache traffic, load); 0: none."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +80,8 @@ class WorkerConfig(EngineConfig):
         if self.hicache_selective_hits < 1 or self.hicache_min_load_pages < 1 or not self.hicache_timeout > 0:
             raise ConfigError("WorkerConfig.hicache_selective_hits and hicache_min_load_pages must be >= 1, "
                               "hicache_timeout > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"WorkerConfig.metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.kv_transfer not in TRANSFER_BACKENDS:
             raise ConfigError(f"WorkerConfig.kv_transfer must be one of {', '.join(TRANSFER_BACKENDS)}")
 

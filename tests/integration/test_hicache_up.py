@@ -2,7 +2,8 @@
 
 An aggregated worker with a tiny KV pool (L1 evicts) and the host's kv_store:
 a prompt whose pages left L1 is served from L2 (loaded back, not recomputed)
-with the same greedy tokens as its first, cold run.
+with the same greedy tokens as its first, cold run. The worker's and the store's
+Prometheus endpoints, printed by ``kvbus up``, show that traffic.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import asyncio
 import random
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bus.nats_transport import BusConfig, connect
 from bus.subjects import GENERATE_ONCE, WORKER_HEALTH
@@ -52,6 +55,18 @@ async def wait_detail(nats_url, role, wid, cond, timeout=60.0) -> dict:
         await asyncio.sleep(0.2)
 
 
+def scrape(url: str) -> dict[str, float]:
+    """Sample name (with its labels) -> value, identity labels left out."""
+    text = httpx.get(url, timeout=30).raise_for_status().text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k not in ("worker_id", "role", "host_id"))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
 def test_l2_hits_through_kvbus_up(model_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 20000) for _ in range(200)] for _ in range(4)]  # 12 full pages each
@@ -69,6 +84,18 @@ def test_l2_hits_through_kvbus_up(model_dir):
             assert float(detail["hicache_loaded_back"]) >= 1, detail  # the rest were still L1 hits
             store = asyncio.run(health(url, "kv_store", "kv_store-0"))
             assert int(store["stored"]) > 0 and int(store["committed"]) > 0, store
+            assert set(system.metrics_urls) == {"worker-0", "kv_store-0"}, system.metrics_urls
+            worker = scrape(system.metrics_urls["worker-0"])
+            assert worker["kvbus_hicache_loaded_back_pages_total"] == float(detail["hicache_loaded_back"])
+            assert worker["kvbus_hicache_load_back_seconds_count"] >= 1
+            assert worker["kvbus_engine_prefix_cache_hit_tokens_total{tier=host}"] >= 16
+            assert worker["kvbus_hicache_written_back_pages_total"] >= worker["kvbus_hicache_loaded_back_pages_total"]
+            s = scrape(system.metrics_urls["kv_store-0"])
+            assert s["kvbus_kv_store_committed_pages_total"] >= int(store["committed"]) > 0
+            # each cold prompt's lookup reached the store and missed (the warm one hit the worker's own map)
+            assert s["kvbus_kv_store_misses_total{tier=host}"] >= len(prompts)
+            slots = [s[f"kvbus_kv_store_slots{{state={k}}}"] for k in ("stored", "leased", "free")]
+            assert slots[0] > 0 and sum(slots) == s["kvbus_kv_store_slots_capacity"], s  # one consistent snapshot
         except BaseException:
             print(system.log(150))
             raise
