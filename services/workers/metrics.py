@@ -82,6 +82,17 @@ class _WorkerCollector:
         hits.add_metric([*self.values, "device"], st.num_cached_device_tokens)
         hits.add_metric([*self.values, "host"], st.num_cached_host_tokens)
         yield hits
+        if hasattr(w, "transfer_bytes"):  # a decode worker: KV received from prefill workers
+            yield self._family(c, "kvbus_kv_transfer_received_bytes", "KV payload bytes received from prefill workers.",
+                               w.transfer_bytes)
+            yield self._family(c, "kvbus_kv_transfer_received_pages", "KV pages received from prefill workers.",
+                               w.transfer_pages)
+            yield self._family(c, "kvbus_kv_transfer_skipped_pages",
+                               "Prompt pages not sent: this worker held them (prefix cache or host tier).",
+                               w.transfer_pages_skipped)
+            yield self._family(c, "kvbus_kv_transfer_import_gaps",
+                               "Imported requests whose held prefix had shrunk before admission (recomputed here).",
+                               engine.scheduler.num_import_gaps)
         tier = w.tier
         if tier is None:
             return

@@ -253,5 +253,10 @@ async def test_prefill_and_decode_workers_serve_their_series(tiny_model):
             assert total.value == worker.engine.block_manager.num_pages > 0
             assert fams["kvbus_hicache_attached"].samples[0].value == 1
             assert fams["kvbus_hicache_load_back_seconds"].samples[0].labels["role"] == cls.role
+            if cls is DecodeActor:  # KV received from prefill workers, and the pages it held instead
+                for name in ("received_bytes", "received_pages", "skipped_pages", "import_gaps"):
+                    assert fams[f"kvbus_kv_transfer_{name}"].samples[0].value == 0
+            else:
+                assert "kvbus_kv_transfer_received_bytes" not in fams
     finally:
         await stop_all(started)
