@@ -59,9 +59,10 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     args = serve_parser(role, actor_cls).parse_args(rest)
     setup_logging(args.log_level)
-    from services.engine.host_memory import keep_freed_memory
+    from services.engine.host_memory import bound_kernel_cache, keep_freed_memory
 
     keep_freed_memory()  # process-wide: freed activations stay mapped (a prefill no longer page-faults them in)
+    bound_kernel_cache()  # process-wide: oneDNN keeps 64 kernels, not one per prompt length ever seen
     try:
         bus_config = bus_config_from(args)
         role_fields = set(actor_cls.config_class.__dataclass_fields__)

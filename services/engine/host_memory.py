@@ -1,4 +1,4 @@
-"""Keep the engine's activation memory mapped between steps (glibc malloc settings).
+"""Host-memory settings of a serving process: activations kept mapped, kernel caches bounded.
 
 A prefill step allocates and frees a few hundred megabytes of activations (a 1,024-token step:
 ~60,000 fresh 4 KiB pages). With glibc's defaults a freed block of more than 128 KiB (or, after
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +47,21 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the activation-memory settings; prefill steps will page-fault more")
     return ok
+
+
+KERNEL_CACHE_CAPACITY = 64
+"""oneDNN primitive-cache entries a serving process keeps (oneDNN's default: 1,024)."""
+
+
+def bound_kernel_cache(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
+    """Bound oneDNN's primitive cache unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``.
+
+    oneDNN keeps one JIT-compiled kernel per projection shape, and a prefill's row count is part
+    of the shape, so a server that sees many prompt lengths fills the default 1,024 entries
+    (~0.2-0.3 MB each): the worker's RSS grew 12% over the 2,000-request soak. Decode steps
+    never use oneDNN (the packed kernel serves them) and a step uses about five shapes, so 64
+    entries keep every shape a run repeats (chunked prefill) while bounding the cache to ~20 MB.
+    Read by oneDNN when it creates its first primitive: call before the model runs. Process-wide,
+    so only process entry points call it (``kvbus serve``).
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

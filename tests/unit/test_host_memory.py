@@ -47,3 +47,39 @@ def test_freed_blocks_stay_mapped():
     plain, kept = _second_round_faults("plain"), _second_round_faults("keep")
     assert plain >= 2048, plain  # the default: fresh pages again (16 MiB = 4,096 pages)
     assert kept < 256, kept
+
+
+# In a fresh process with oneDNN's verbose log: projections of 10, 20, 30 and again 10 rows. The
+# last one finds its kernel in the primitive cache by default; bounded to 2 entries, 10 rows was
+# evicted by 30 and is built again. Deterministic: oneDNN logs every creation as hit or miss.
+CACHE_SCRIPT = """
+import os, sys, torch
+if sys.argv[1] == "bound":
+    from services.engine.host_memory import bound_kernel_cache
+    bound_kernel_cache(2)
+if sys.argv[1] == "user":  # a user's own setting wins
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "1024"
+    from services.engine.host_memory import bound_kernel_cache
+    bound_kernel_cache(2)
+from services.engine.linear import prepack
+w = prepack(torch.randn(64, 32), 16)
+for m in (10, 20, 30, 10):
+    torch.ops.mkldnn._linear_pointwise(torch.randn(m, 32), w, None, "none", [], "")
+"""
+
+
+def _creations(mode: str) -> list[str]:
+    import re
+
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "ONEDNN_VERBOSE": "all"}
+    out = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, mode], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env=env)
+    return [m.group(1) for line in out.stdout.splitlines() if "inner_product" in line
+            for m in [re.search(r"create:cache_(hit|miss)", line)] if m]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="oneDNN CPU build")
+def test_bound_kernel_cache_bounds_onednn_primitive_cache():
+    assert _creations("default") == ["miss", "miss", "miss", "hit"]
+    assert _creations("bound") == ["miss", "miss", "miss", "miss"]
+    assert _creations("user") == ["miss", "miss", "miss", "hit"]
