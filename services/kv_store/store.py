@@ -81,6 +81,13 @@ class StoreCore:
             elif layout_key != self.layout_key or page_bytes != self.arena.layout.page_bytes:
                 raise InvalidArgument(f"kv_store holds pages of layout {self.layout_key!r}; "
                                       f"engine {owner} has {layout_key!r}")
+            elif self.config.hicache_size is None and self.config.hicache_ratio * pool_bytes > \
+                    self.arena.layout.total_bytes + self.arena.layout.page_bytes:
+                # The arena was sized by the first engine; it cannot grow under engines mapping it.
+                log.warning("kv_store: engine %s has a larger KV pool (%.2f GB) than the engine that sized L2; "
+                            "L2 is %.2f GB, not %.1f x its pool. Give the kv_store --hicache-size GB to size "
+                            "it for the largest engine.", owner, pool_bytes / GB,
+                            self.arena.layout.total_bytes / GB, self.config.hicache_ratio)
             if reset_leases:
                 self.index.release_owner(owner)
             return self.arena

@@ -161,6 +161,19 @@ def test_store_refuses_a_second_layout():
     core.close()
 
 
+def test_a_larger_engine_than_the_one_that_sized_l2_is_warned_about(caplog):
+    core = StoreCore(KVStoreConfig(hicache_ratio=2.0, memory_reserve=0.0))
+    core.attach("small", "model-a", PB, PS, 4 * PB)
+    assert core.arena.layout.num_slots == 8
+    with caplog.at_level("WARNING", logger="services.kv_store.store"):
+        core.attach("same", "model-a", PB, PS, 4 * PB)
+        assert not caplog.records
+        core.attach("large", "model-a", PB, PS, 16 * PB)
+    [record] = caplog.records
+    assert "large" in record.getMessage() and "--hicache-size" in record.getMessage()
+    core.close()
+
+
 def test_kv_event_subjects_are_public_with_schemas_and_stable_bytes(tmp_path):
     import json
 
