@@ -271,6 +271,8 @@ class LLMEngine(AsyncEngineMixin):
         for seq in batch.out_of_pages:
             outputs.append(self._finish(seq, "length", []))
         if batch.is_empty:
+            if self.scheduler.loading:  # only lower-tier copies to wait for: wait (not spin) for one
+                self.block_manager.wait_loads(0.05)
             return outputs
         for seq in batch.seqs[batch.num_decode :]:
             if seq.imported_kv is not None:

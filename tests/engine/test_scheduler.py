@@ -237,3 +237,67 @@ def test_random_workload_never_leaks_or_overcommits():
         assert not pending and not sched.num_unfinished
         assert bm.num_free_pages == bm.num_pages
         assert all(p.ref_count == 0 for p in bm.pages)
+
+
+# ---- asynchronous load-back: a sequence waits for its pages, the others keep stepping ------
+
+
+def test_a_loading_sequence_waits_while_the_others_step():
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=2, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=8)
+    sched.add(a)
+    finished: list = []
+    fake_step(sched, sched.schedule(), finished)  # a prefilled
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.status is SequenceStatus.LOADING and sched.loading == [b]
+    assert batch.seqs == [a] and batch.num_decode == 1  # a decodes; b holds its pages, not scheduled
+    sched.add(c := seq("c", 3, base=90))  # b counts toward max_running_requests: c waits
+    for _ in range(3):
+        fake_step(sched, batch, finished)
+        batch = sched.schedule()
+        assert batch.seqs == [a] and c.status is SequenceStatus.WAITING
+    assert a.num_output_tokens == 4 and b.num_computed_tokens == 0
+    tier.land(0)
+    fake_step(sched, batch, finished)
+    batch = sched.schedule()
+    # Landed: b runs, computing only its last (partial) page's tokens.
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2] and b.status is SequenceStatus.RUNNING
+    assert b.num_cached_tokens == 12
+    fake_step(sched, batch, finished)
+    finished_all, _ = run_all(sched)
+    assert {s.request_id for s in finished + finished_all} == {"a", "b", "c"}
+    assert bm.num_free_pages == bm.num_pages and bm.num_loading == 0
+
+
+def test_an_abort_while_loading_frees_the_pages_once_the_copy_landed():
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=8)
+    sched.add(a)
+    fake_step(sched, sched.schedule(), [])
+    sched.add(b)
+    batch = sched.schedule()
+    assert sched.loading == [b]
+    sched.remove(b)
+    assert b.status is SequenceStatus.FINISHED and sched.loading == [] and bm.num_loading == 1
+    assert bm.num_free_pages == bm.num_pages - 2 - 4  # a's 2 pages; b's 4 still the tier's
+    tier.land(0)
+    fake_step(sched, batch, [])
+    batch = sched.schedule()
+    assert batch.seqs == [a] and bm.num_loading == 0
+    sched.remove(a)
+    assert bm.num_free_pages == bm.num_pages
