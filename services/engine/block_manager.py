@@ -103,6 +103,7 @@ class BlockManager:
         self.async_load_min_pages = ASYNC_LOAD_MIN_PAGES
         """Fewest lower-tier pages loaded asynchronously (``allocate(may_wait=True)``)."""
         self.loads: dict[object, _Load] = {}  # ticket -> load in flight
+        self.num_async_loads = 0
         self._loaded: list[Sequence] = []  # loads landed, not yet reported by poll_loads
 
     def bind(self, kv_pool) -> None:
@@ -214,6 +215,7 @@ class BlockManager:
                 ticket = None
             if ticket is not None:
                 self.loads[ticket] = _Load(seq, start, not seq.is_admitted_once)
+                self.num_async_loads += 1
                 seq.loading_ticket = ticket
                 seq.page_ids.extend(page_ids)  # filled by the tier; indexed when they land
                 return 0
