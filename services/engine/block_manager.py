@@ -68,9 +68,11 @@ class _Load:
         self.cancelled = False
 
 
-ASYNC_LOAD_MIN_PAGES = 4
-"""Shorter lower-tier runs are loaded on the engine thread at admission (a few memcpys:
-cheaper than a step's wait for the copy thread; bench/load_back_bench.py)."""
+ASYNC_LOAD_MIN_PAGES = 8
+"""Shorter lower-tier runs are loaded on the engine thread at admission. An asynchronous load
+makes its request wait at least one more step (it lands after this step's forward) to spare
+the others the copy; a short copy stalls them for less than that is worth (bench/load_back_bench.py:
+8 pages of the default model, 5.6 MiB, copy in about 0.3 ms on CPU, a few % of one decode step)."""
 
 
 class BlockManager:
