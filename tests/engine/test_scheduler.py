@@ -301,3 +301,36 @@ def test_an_abort_while_loading_frees_the_pages_once_the_copy_landed():
     assert batch.seqs == [a] and bm.num_loading == 0
     sched.remove(a)
     assert bm.num_free_pages == bm.num_pages
+
+
+def test_a_full_pool_waits_for_a_loading_sequence_instead_of_cutting_the_runner_short():
+    """The only running sequence needs a page that a loading one holds: it waits a step (no
+    'length' finish); once the load lands the loaded sequence is the newest and is preempted."""
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(7, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 7, max_tokens=20)
+    sched.add(a)
+    finished: list = []
+    fake_step(sched, sched.schedule(), finished)
+    sched.add(b)
+    batch = sched.schedule()
+    assert sched.loading == [b] and batch.seqs == [a]
+    while batch.seqs:  # a decodes until the pool is full
+        fake_step(sched, batch, finished)
+        batch = sched.schedule()
+    assert not batch.out_of_pages and not finished and a.num_tokens == 13 and bm.num_free_pages == 0
+    tier.land(0)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.preempted == [b] and sched.waiting[0] is b
+    assert b.page_ids == [] and b.num_cached_tokens == 12
+    finished_all, _ = run_all(sched)
+    assert {s.request_id for s in finished_all} == {"a", "b"}
+    bm.wait_for_loads()
+    bm.poll_loads()
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
