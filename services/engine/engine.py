@@ -250,7 +250,8 @@ class LLMEngine(AsyncEngineMixin):
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Admitted requests: running, or waiting for their KV pages from a lower tier."""
+        return len(self.scheduler.running) + len(self.scheduler.loading)
 
     @property
     def num_waiting(self) -> int:

@@ -101,7 +101,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        if self.bm.num_loading:
+        if self.loading or self.bm.num_loading:  # (loads of removed sequences only free pages)
             self._take_loaded()
         has_prefill_work = bool(self.waiting) or any(not s.is_decoding for s in self.running)
         if self.enable_mixed_batches or not has_prefill_work:

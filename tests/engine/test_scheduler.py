@@ -334,3 +334,31 @@ def test_a_full_pool_waits_for_a_loading_sequence_instead_of_cutting_the_runner_
     bm.wait_for_loads()
     bm.poll_loads()
     assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+
+
+def test_a_load_landed_while_the_step_waited_is_taken_at_the_next_schedule():
+    """The engine waits for a load when nothing else can run (BlockManager.wait_loads): what
+    landed then must still be handed to the scheduler."""
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=1)
+    sched.add(a)
+    sched.add(b)  # a is queued behind it: b loads asynchronously
+    finished: list = []
+    batch = sched.schedule()
+    assert batch.seqs == [a] and sched.loading == [b]
+    fake_step(sched, batch, finished)  # a is done
+    assert finished == [a] and sched.schedule().is_empty
+    tier.land(0)
+    bm.wait_loads(1.0)  # as LLMEngine.step does when its batch is empty
+    assert bm.num_loading == 0 and sched.loading == [b]
+    batch = sched.schedule()
+    assert batch.seqs == [b] and batch.num_new_tokens == [2]
+    finished_all, _ = run_all(sched)
+    assert finished_all == [b] and bm.num_free_pages == bm.num_pages

@@ -268,7 +268,10 @@ def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, p
     assert seq.request_id == "loader" and seq.num_computed_tokens == 0
     collect(engine, outs, 2)  # the load is held: the other request keeps producing tokens
     assert len(outs["other"]) == 4 and "loader" not in outs and engine.scheduler.loading == [seq]
-    gate.release()
+    while not outs["other"][-1].finished:
+        collect(engine, outs)
+    assert "loader" not in outs and engine.num_running == 1  # admitted, loading
+    gate.release()  # from here the step has nothing to run but the load: it waits for it to land
     while engine.has_unfinished():
         collect(engine, outs)
     tokens = {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
