@@ -106,6 +106,7 @@ class BlockManager:
         """Fewest lower-tier pages loaded asynchronously (``allocate(may_wait=True)``)."""
         self.loads: dict[object, _Load] = {}  # ticket -> load in flight
         self.num_async_loads = 0
+        self.num_loads_cancelled = 0  # sequences freed while their pages were loading
         self._loaded: list[Sequence] = []  # loads landed, not yet reported by poll_loads
 
     def bind(self, kv_pool) -> None:
@@ -286,6 +287,7 @@ class BlockManager:
     def _cancel_load(self, seq: Sequence) -> None:
         load = self.loads[seq.loading_ticket]
         load.cancelled = True
+        self.num_loads_cancelled += 1
         load.page_ids = list(seq.page_ids)
         seq.loading_ticket = None
 

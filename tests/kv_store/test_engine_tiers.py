@@ -152,6 +152,7 @@ def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core,
     assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
     assert client.stats["written_back"] > 0 and client.stats["loaded_back"] > 0
     assert (bm.num_async_loads > 0) == (async_min_pages == 1)
+    assert (bm.num_loads_cancelled > 0) == (async_min_pages == 1)  # aborts while loading happened
     core.index.check()
     assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
 
