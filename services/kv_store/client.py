@@ -71,7 +71,7 @@ class HostTierClient(CacheTierHooks):
         self._refilling = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[tuple[int, bool]] = deque()
-        self._loads_done: deque[tuple[int, int, object]] = deque()  # ticket, num_loaded, CUDA event
+        self._loads_done: deque[tuple] = deque()  # landed loads, for poll_loaded (see _load_job)
         self._next_ticket = 0
         self.stream = None  # the CUDA copy stream (a CUDA pool only)
         self._landed = threading.Condition()
@@ -162,7 +162,12 @@ class HostTierClient(CacheTierHooks):
         if not self._leased:
             return False
         slot = self._leased.popleft()
-        staged = self._stage_out(page_id) if self.stream is not None else None
+        try:
+            staged = self._stage_out(page_id) if self.stream is not None else None
+        except Exception:  # e.g. no pinned memory: the page stays in L1 only, the step goes on
+            log.exception("staging page %d for write-back failed", page_id)
+            self._leased.appendleft(slot)
+            return False
         self._jobs.put((self._write_job, (self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id, staged)))
         return True
 
