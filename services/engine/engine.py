@@ -275,7 +275,8 @@ class LLMEngine(AsyncEngineMixin):
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Admitted requests: running, or waiting for their KV pages from a lower tier."""
+        return len(self.scheduler.running) + len(self.scheduler.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -296,6 +297,8 @@ class LLMEngine(AsyncEngineMixin):
         for seq in batch.out_of_pages:
             outputs.append(self._finish(seq, "length", []))
         if batch.is_empty:
+            if self.scheduler.loading:  # only lower-tier copies to wait for: wait (not spin) for one
+                self.block_manager.wait_loads(0.05)
             return outputs
         for seq in batch.seqs[batch.num_decode :]:
             if seq.imported_kv is not None and seq.num_computed_tokens == seq.num_tokens - 1:

@@ -14,6 +14,13 @@ Policy, each step:
    halfway. At most ``chunked_prefill_size`` tokens of one prompt per step.
 3. With mixed batches off, a step that has prefill work runs only prefill.
 
+Load-back (docs/hicache.md): a sequence admitted with pages a lower tier holds
+may wait for their copies in ``loading`` (status LOADING): it holds its pages
+and counts toward ``max_running_requests`` but is never scheduled nor
+preempted; the other sequences keep stepping. Each step first takes the
+sequences whose copies landed (``BlockManager.poll_loads``) into ``running``,
+computed up to the pages that were loaded and verified.
+
 Speculative decoding: a decoding sequence that carries drafted tokens gets
 1 + k decode rows (its last token and the drafts), within ``max_spec_rows``
 decode rows for the whole step (spec_decode.SPEC_MAX_ROWS: while a decode step
@@ -69,12 +76,13 @@ class Scheduler:
         self.max_spec_rows = max_spec_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.loading: list[Sequence] = []  # admitted, waiting for lower-tier copies into their pages
         self.num_preemptions = 0
         self.num_import_gaps = 0  # imported sequences whose held prefix had shrunk (recomputed here)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -85,12 +93,17 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.bm.free(seq)
+        elif seq.status is SequenceStatus.LOADING:
+            self.loading.remove(seq)
+            self.bm.free(seq)  # its pages go back once the copy thread is done with them
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.loading or self.bm.num_loading:  # (loads of removed sequences only free pages)
+            self._take_loaded()
         has_prefill_work = bool(self.waiting) or any(not s.is_decoding for s in self.running)
         if self.enable_mixed_batches or not has_prefill_work:
             self._schedule_decode(batch)
@@ -98,6 +111,16 @@ class Scheduler:
         if not batch.seqs and not self.enable_mixed_batches and self.running:
             self._schedule_decode(batch)  # prefill work was blocked: keep decoding
         return batch
+
+    def _take_loaded(self) -> None:
+        """Sequences whose lower-tier pages landed run from now on (newest admitted)."""
+        for seq in self.bm.poll_loads():
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if not seq.is_admitted_once:
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.is_admitted_once = True
+            self.running.append(seq)
 
     def _schedule_decode(self, batch: ScheduledBatch) -> None:
         spare_rows = self.max_spec_rows - sum(1 for s in self.running if s.is_decoding)
@@ -128,7 +151,9 @@ class Scheduler:
         while not self.bm.can_grow(seq, seq.num_tokens):
             victim = self.running[-1]
             if victim is seq:
-                if len(self.running) == 1:
+                if len(self.running) == 1 and self.loading:
+                    pass  # a loading sequence holds pages: it runs (and can be preempted) once loaded
+                elif len(self.running) == 1:
                     batch.out_of_pages.append(seq)
                 else:
                     self._preempt(seq, batch)
@@ -168,14 +193,19 @@ class Scheduler:
             is_first = False
         if batch.out_of_pages:
             return
-        while self.waiting and len(self.running) < self.max_running_requests and budget > 0:
+        while self.waiting and len(self.running) + len(self.loading) < self.max_running_requests and budget > 0:
             seq = self.waiting[0]
             if not self.bm.can_allocate(seq, reserve=self._reserve()):
                 break
             if self.chunk_size is None and not is_first and seq.num_uncomputed_tokens > budget:
                 break  # would not fit this step; admit it next step
             self.waiting.popleft()
-            self.bm.allocate(seq)
+            # Loading asynchronously pays when something else can step meanwhile.
+            self.bm.allocate(seq, may_wait=seq.imported_kv is None and bool(self.running or self.waiting))
+            if seq.loading_ticket is not None:
+                seq.status = SequenceStatus.LOADING
+                self.loading.append(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             if not seq.is_admitted_once:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)

@@ -10,6 +10,7 @@ from schemas.engine import FinishReason, SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, holds its pages, waits for a lower tier's copies (not computed)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -45,6 +46,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_loaded_tokens = 0  # of the cached prefix at first admission: loaded from a lower tier
         self.num_preemptions = 0
+        self.loading_ticket = None  # a lower-tier load into its pages in flight (block_manager.py)
         self.is_admitted_once = False
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids

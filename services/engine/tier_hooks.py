@@ -75,6 +75,23 @@ class CacheTierHooks:
         verified (the rest are recomputed). Never returns a page it could not verify."""
         return 0
 
+    def start_load(self, page_hashes: Sequence[int], token_ids: Sequence[Sequence[int]],
+                   page_ids: Sequence[int]) -> object | None:
+        """Like :meth:`load_back`, asynchronously: queue the copies and return a ticket, or None
+        when this tier cannot load asynchronously now (the caller loads synchronously instead).
+        ``page_ids`` belong to the tier until the ticket comes back from :meth:`poll_loaded`."""
+        return None
+
+    def poll_loaded(self) -> list[tuple[object, int]]:
+        """``(ticket, num_loaded)`` of loads that finished since the last call; never blocks.
+        ``num_loaded`` leading pages were loaded and verified; on CUDA the engine's stream
+        already waits for their copy (a stream dependency, not a host sync)."""
+        return []
+
+    def wait_loaded(self, timeout: float) -> list[tuple[object, int]]:
+        """Like :meth:`poll_loaded`, but waits up to ``timeout`` s for at least one."""
+        return []
+
 
 NoTierHooks = CacheTierHooks
 
@@ -130,6 +147,15 @@ class TierHooksList(CacheTierHooks):
 
     def load_back(self, page_hashes, token_ids, page_ids) -> int:
         return self.tier.load_back(page_hashes, token_ids, page_ids)
+
+    def start_load(self, page_hashes, token_ids, page_ids):
+        return self.tier.start_load(page_hashes, token_ids, page_ids)
+
+    def poll_loaded(self):
+        return self.tier.poll_loaded()
+
+    def wait_loaded(self, timeout):
+        return self.tier.wait_loaded(timeout)
 
 
 def combine(hooks: CacheTierHooks | Sequence[CacheTierHooks] | None) -> CacheTierHooks:

@@ -15,6 +15,16 @@ slots (leases, fetched ahead of need) and records which slot holds which page
   slot's header in the arena, so a stale entry is only a miss;
 - load-back: copies slots into pool pages under the arena's seqlock, verifying
   hash and tokens; a page that changed meanwhile is recomputed, never served.
+  :meth:`start_load` queues the copies to the copy thread (the engine keeps
+  stepping; :meth:`poll_loaded` reports them); :meth:`load_back` copies on the
+  caller's thread (short runs).
+
+On CUDA the copies use a dedicated stream (``self.stream``): write-back enqueues
+the device -> pinned host copy there with an event (after the engine's stream,
+so the page's KV is complete), the copy thread waits on the event and memcpys
+into the slot; load-back verifies into pinned staging on the copy thread, then
+copies staging -> device on the copy stream, and :meth:`poll_loaded` makes the
+engine's stream wait on that copy's event (no host sync on the engine thread).
 
 If the kv_store is gone the engine keeps serving: lookups are misses or hit pages
 still mapped, write-back stops for want of leases. :meth:`reconnect` (the
@@ -61,6 +71,9 @@ class HostTierClient(CacheTierHooks):
         self._refilling = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[tuple[int, bool]] = deque()
+        self._loads_done: deque[tuple] = deque()  # landed loads, for poll_loaded (see _load_job)
+        self._next_ticket = 0
+        self.stream = None  # the CUDA copy stream (a CUDA pool only)
         self._landed = threading.Condition()
         self._thread: threading.Thread | None = None
         self.stats = {k: 0 for k in ("written_back", "write_back_bytes", "loaded_back", "load_back_bytes",
@@ -74,6 +87,8 @@ class HostTierClient(CacheTierHooks):
         self.pool = kv_pool
         self.page_bytes = kv_pool.data[0].numel() * kv_pool.data.element_size()
         self.layout_key = layout_key(kv_pool, self.model)
+        if kv_pool.data.is_cuda:
+            self.stream = torch.cuda.Stream(device=kv_pool.data.device)
         self._thread = threading.Thread(target=self._copy_loop, name="kvbus-kv-copy", daemon=True)
         self._thread.start()
         if self.link.is_local:
@@ -149,19 +164,42 @@ class HostTierClient(CacheTierHooks):
         if not self._leased:
             return False
         slot = self._leased.popleft()
-        self._jobs.put((self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id))
+        try:
+            staged = self._stage_out(page_id) if self.stream is not None else None
+        except Exception:  # e.g. no pinned memory: the page stays in L1 only, the step goes on
+            log.exception("staging page %d for write-back failed", page_id)
+            self._leased.appendleft(slot)
+            return False
+        self._jobs.put((self._write_job, (self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id, staged)))
         return True
+
+    def _stage_out(self, page_id: int):
+        """CUDA: enqueue the page's device -> pinned host copy on the copy stream, after
+        everything the engine's stream did so far (the forward that wrote the page)."""
+        page = self.pool.data[page_id]
+        self.stream.wait_stream(torch.cuda.current_stream(page.device))
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(page.shape, dtype=page.dtype, pin_memory=True)
+            host.copy_(page, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return host, event
 
     def _copy_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            self._land(job[-1], self._copy(*job))
+            run, args = job
+            run(*args)
 
-    def _copy(self, arena, slot, page_hash, parent_hash, tokens, page_id) -> bool:
+    def _copy(self, arena, slot, page_hash, parent_hash, tokens, page_id, staged=None) -> bool:
         ok = False
         try:
-            page = self.pool.data[page_id]
-            if page.is_cuda:  # NOTE: a dedicated copy stream would overlap this with the step
-                page = page.to("cpu", non_blocking=False)
+            if staged is not None:  # CUDA: copied out on the copy stream; wait for that copy only
+                page, event = staged
+                event.synchronize()
+            else:
+                page = self.pool.data[page_id]
+                if page.is_cuda:  # write_back_sync: the pool ran dry, copy now
+                    page = page.to("cpu", non_blocking=False)
             arena.write(slot, page_hash, tokens, page.view(torch.uint8).reshape(-1).numpy())
             if arena is self.arena:
                 self.mirror[page_hash] = slot
@@ -172,6 +210,9 @@ class HostTierClient(CacheTierHooks):
         except Exception:
             log.exception("write-back of page %d failed", page_id)
         return ok
+
+    def _write_job(self, arena, slot, page_hash, parent_hash, tokens, page_id, staged) -> None:
+        self._land(page_id, self._copy(arena, slot, page_hash, parent_hash, tokens, page_id, staged))
 
     def _land(self, page_id: int, ok: bool) -> None:
         with self._landed:
@@ -281,3 +322,84 @@ class HostTierClient(CacheTierHooks):
         if n:
             self.link.touch(list(page_hashes[:n]))
         return n
+
+    # ---- asynchronous load-back (the copy thread) ----------------------------------------
+
+    def start_load(self, page_hashes, token_ids, page_ids):
+        arena = self.arena
+        if arena is None or self.pool is None or self._thread is None or not page_ids:
+            return None
+        slots = []
+        for h in page_hashes[: len(page_ids)]:
+            slot = self.mirror.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return None
+        ready = None
+        if self.stream is not None:  # the pages' earlier users (forwards on the engine's stream) come first
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.pool.data.device))
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._jobs.put((self._load_job, (ticket, arena, slots, list(page_hashes[: len(slots)]),
+                                         [tuple(t) for t in token_ids[: len(slots)]], list(page_ids), ready)))
+        return ticket
+
+    def _read_verified(self, arena, slots, hashes, tokens, outs) -> tuple[int, int | None]:
+        """Verified reads (seqlock, hash, tokens) into ``outs`` in order, up to the first failure:
+        ``(how many, the hash that failed or None)``."""
+        for n, (slot, h, toks, out) in enumerate(zip(slots, hashes, tokens, outs)):
+            if not arena.read_into(slot, h, toks, out.view(torch.uint8).reshape(-1).numpy()):
+                return n, h
+        return len(slots), None
+
+    def _load_job(self, ticket, arena, slots, hashes, tokens, page_ids, ready) -> None:
+        t0 = time.perf_counter()
+        n, failed, event, staging = 0, None, None, None
+        try:
+            if self.stream is None:  # CPU: straight into the pool's pages (no one else uses them now)
+                n, failed = self._read_verified(arena, slots, hashes, tokens, [self.pool.data[p] for p in page_ids])
+            else:  # CUDA: verify into pinned staging, then staging -> device on the copy stream
+                first = self.pool.data[page_ids[0]]
+                staging = torch.empty((len(slots), *first.shape), dtype=first.dtype, pin_memory=True)
+                n, failed = self._read_verified(arena, slots, hashes, tokens, list(staging))
+                self.stream.wait_event(ready)
+                with torch.cuda.stream(self.stream):
+                    for i in range(n):
+                        self.pool.data[page_ids[i]].copy_(staging[i], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+        except Exception:
+            log.exception("load-back of %d pages failed; recomputing them", len(slots))
+            n = 0
+            if self.stream is not None:  # whatever was enqueued must finish before the pages are reused
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        with self._landed:
+            self._loads_done.append((ticket, n, failed, event, staging, time.perf_counter() - t0, hashes[:n]))
+            self._landed.notify_all()
+
+    def poll_loaded(self):
+        out = []
+        while self._loads_done:
+            ticket, n, failed, event, staging, seconds, hashes = self._loads_done.popleft()
+            if event is not None:  # the engine's stream waits for the copy (no host sync)
+                torch.cuda.current_stream(self.pool.data.device).wait_event(event)
+            if failed is not None:
+                self.stats["verify_failed"] += 1
+                self.mirror.pop(failed, None)
+            self.stats["hits"] += 1 if n else 0
+            self.stats["loaded_back"] += n
+            self.stats["load_back_bytes"] += n * self.page_bytes
+            self.stats["load_back_seconds"] += seconds
+            if n:
+                self.link.touch(list(hashes))
+            out.append((ticket, n))
+        return out
+
+    def wait_loaded(self, timeout: float):
+        with self._landed:
+            self._landed.wait_for(lambda: bool(self._loads_done), timeout)
+        return self.poll_loaded()

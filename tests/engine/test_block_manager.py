@@ -279,3 +279,112 @@ def test_rejects_bad_sizes():
         BlockManager(0, 16)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+# ---- asynchronous load-back: the state machine (docs/hicache.md) ---------------------------
+
+
+class AsyncTier(FakeTier):
+    """A tier whose loads stay in flight until the test lands them (no threads, no timing)."""
+
+    def __init__(self, held):
+        super().__init__(held)
+        self.started: dict[int, tuple[list[int], list[int]]] = {}
+        self.landed: list[tuple[int, int]] = []
+
+    def start_load(self, hashes, tokens, page_ids):
+        ticket = len(self.started)
+        self.started[ticket] = (list(hashes), list(page_ids))
+        return ticket
+
+    def land(self, ticket, n=None):
+        self.landed.append((ticket, len(self.started[ticket][1]) if n is None else n))
+
+    def poll_loaded(self):
+        out, self.landed = self.landed, []
+        return out
+
+    wait_loaded = lambda self, timeout: self.poll_loaded()  # noqa: E731
+
+
+def async_bm(tokens, num_pages=8):
+    tier = AsyncTier(page_hashes(tokens, PS))
+    bm = BlockManager(num_pages, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    return bm, tier
+
+
+def test_async_load_holds_pages_until_it_lands_then_indexes_them():
+    tokens = list(range(14))  # 3 cacheable pages + 1 partial
+    bm, tier = async_bm(tokens)
+    s = make_seq(tokens)
+    assert bm.allocate(s, may_wait=True) == 0
+    assert s.loading_ticket == 0 and len(s.page_ids) == 4 and bm.num_free_pages == 4
+    assert tier.started[0] == (page_hashes(tokens, PS), s.page_ids[:3])
+    assert bm.hash_to_page_id == {} and bm.poll_loads() == []  # nothing indexed before the copy lands
+    tier.land(0)
+    assert bm.poll_loads() == [s]
+    assert s.loading_ticket is None and s.num_computed_tokens == 12 and s.num_loaded_tokens == 12
+    assert set(bm.hash_to_page_id) == set(page_hashes(tokens, PS)) and bm.num_loaded_back == 3
+    bm.free(s)
+    assert bm.num_free_pages == 8
+    check_invariants(bm)
+
+
+def test_async_load_failing_partway_computes_from_the_first_failed_page():
+    tokens = list(range(14))
+    bm, tier = async_bm(tokens)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    pages = list(s.page_ids)
+    tier.land(0, 1)  # page 1 failed verification: pages 1 and 2 are computed
+    assert bm.poll_loads() == [s]
+    assert s.num_computed_tokens == 4 and s.page_ids == pages and s.num_indexed_pages == 1
+    assert list(bm.hash_to_page_id) == page_hashes(tokens, PS)[:1]
+    s.num_computed_tokens = s.num_tokens  # the model computes the rest into the same pages
+    bm.index_computed_pages(s)
+    bm.free(s)
+    assert bm.num_free_pages == 8
+    check_invariants(bm)
+
+
+def test_a_sequence_freed_while_loading_returns_its_pages_only_when_the_copy_lands():
+    tokens = list(range(14))
+    bm, tier = async_bm(tokens)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    held = list(s.page_ids)
+    bm.free(s)  # aborted: the copy thread may still be writing into its pages
+    assert s.page_ids == [] and s.loading_ticket is None
+    assert bm.num_free_pages == 4 and all(bm.pages[p].ref_count == 1 for p in held)
+    tier.land(0)
+    assert bm.poll_loads() == []  # nobody runs it
+    assert bm.num_free_pages == 8 and bm.hash_to_page_id == {} and bm.num_loading == 0
+    check_invariants(bm)
+
+
+def test_a_sequence_freed_after_its_copy_landed_but_before_the_poll():
+    tokens = list(range(14))
+    bm, tier = async_bm(tokens)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    tier.land(0)
+    bm.wait_loads(0)  # landed (indexed), not yet handed back
+    bm.free(s)
+    assert bm.poll_loads() == []
+    assert bm.num_free_pages == 8 and len(bm.cached_page_ids) == 3
+    check_invariants(bm)
+
+
+def test_short_runs_and_may_wait_false_load_synchronously():
+    tokens = list(range(14))
+    bm, tier = async_bm(tokens)
+    bm.async_load_min_pages = 4  # 3 hits: below the threshold
+    s = make_seq(tokens)
+    assert bm.allocate(s, may_wait=True) == 12 and s.loading_ticket is None and tier.started == {}
+    bm.free(s)
+    bm.evict_all_cached()
+    bm.async_load_min_pages = 2
+    t = make_seq(tokens, "t")
+    assert bm.allocate(t) == 12 and tier.started == {}  # may_wait defaults to False
+    check_invariants(bm)

@@ -237,3 +237,128 @@ def test_random_workload_never_leaks_or_overcommits():
         assert not pending and not sched.num_unfinished
         assert bm.num_free_pages == bm.num_pages
         assert all(p.ref_count == 0 for p in bm.pages)
+
+
+# ---- asynchronous load-back: a sequence waits for its pages, the others keep stepping ------
+
+
+def test_a_loading_sequence_waits_while_the_others_step():
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=2, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=8)
+    sched.add(a)
+    finished: list = []
+    fake_step(sched, sched.schedule(), finished)  # a prefilled
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.status is SequenceStatus.LOADING and sched.loading == [b]
+    assert batch.seqs == [a] and batch.num_decode == 1  # a decodes; b holds its pages, not scheduled
+    sched.add(c := seq("c", 3, base=90))  # b counts toward max_running_requests: c waits
+    for _ in range(3):
+        fake_step(sched, batch, finished)
+        batch = sched.schedule()
+        assert batch.seqs == [a] and c.status is SequenceStatus.WAITING
+    assert a.num_output_tokens == 4 and b.num_computed_tokens == 0
+    tier.land(0)
+    fake_step(sched, batch, finished)
+    batch = sched.schedule()
+    # Landed: b runs, computing only its last (partial) page's tokens.
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2] and b.status is SequenceStatus.RUNNING
+    assert b.num_cached_tokens == 12
+    fake_step(sched, batch, finished)
+    finished_all, _ = run_all(sched)
+    assert {s.request_id for s in finished + finished_all} == {"a", "b", "c"}
+    assert bm.num_free_pages == bm.num_pages and bm.num_loading == 0
+
+
+def test_an_abort_while_loading_frees_the_pages_once_the_copy_landed():
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=8)
+    sched.add(a)
+    fake_step(sched, sched.schedule(), [])
+    sched.add(b)
+    batch = sched.schedule()
+    assert sched.loading == [b]
+    sched.remove(b)
+    assert b.status is SequenceStatus.FINISHED and sched.loading == [] and bm.num_loading == 1
+    assert bm.num_free_pages == bm.num_pages - 2 - 4  # a's 2 pages; b's 4 still the tier's
+    tier.land(0)
+    fake_step(sched, batch, [])
+    batch = sched.schedule()
+    assert batch.seqs == [a] and bm.num_loading == 0
+    sched.remove(a)
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_a_full_pool_waits_for_a_loading_sequence_instead_of_cutting_the_runner_short():
+    """The only running sequence needs a page that a loading one holds: it waits a step (no
+    'length' finish); once the load lands the loaded sequence is the newest and is preempted."""
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(7, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 7, max_tokens=20)
+    sched.add(a)
+    finished: list = []
+    fake_step(sched, sched.schedule(), finished)
+    sched.add(b)
+    batch = sched.schedule()
+    assert sched.loading == [b] and batch.seqs == [a]
+    while batch.seqs:  # a decodes until the pool is full
+        fake_step(sched, batch, finished)
+        batch = sched.schedule()
+    assert not batch.out_of_pages and not finished and a.num_tokens == 13 and bm.num_free_pages == 0
+    tier.land(0)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.preempted == [b] and sched.waiting[0] is b
+    assert b.page_ids == [] and b.num_cached_tokens == 12
+    finished_all, _ = run_all(sched)
+    assert {s.request_id for s in finished_all} == {"a", "b"}
+    bm.wait_for_loads()
+    bm.poll_loads()
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+
+
+def test_a_load_landed_while_the_step_waited_is_taken_at_the_next_schedule():
+    """The engine waits for a load when nothing else can run (BlockManager.wait_loads): what
+    landed then must still be handed to the scheduler."""
+    from services.engine.page_hash import page_hashes
+    from tests.engine.test_block_manager import AsyncTier
+
+    b = seq("b", 14, max_tokens=2, base=50)
+    tier = AsyncTier(page_hashes(b.token_ids, PS))
+    bm = BlockManager(16, PS, hooks=tier)
+    bm.async_load_min_pages = 2
+    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    a = seq("a", 5, max_tokens=1)
+    sched.add(a)
+    sched.add(b)  # a is queued behind it: b loads asynchronously
+    finished: list = []
+    batch = sched.schedule()
+    assert batch.seqs == [a] and sched.loading == [b]
+    fake_step(sched, batch, finished)  # a is done
+    assert finished == [a] and sched.schedule().is_empty
+    tier.land(0)
+    bm.wait_loads(1.0)  # as LLMEngine.step does when its batch is empty
+    assert bm.num_loading == 0 and sched.loading == [b]
+    batch = sched.schedule()
+    assert batch.seqs == [b] and batch.num_new_tokens == [2]
+    finished_all, _ = run_all(sched)
+    assert finished_all == [b] and bm.num_free_pages == bm.num_pages

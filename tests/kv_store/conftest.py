@@ -21,3 +21,13 @@ def tiny_model(tmp_path_factory, model_dir):
     hf.save_pretrained(path, safe_serialization=True)
     shutil.copy(model_dir / "tokenizer.json", path / "tokenizer.json")  # the folder check wants one
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """gpu-marked tests need CUDA (as in tests/kernels)."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

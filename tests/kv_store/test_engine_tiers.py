@@ -7,6 +7,7 @@ core runs in process (LocalLink), the data path is the real shared-memory arena.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -110,9 +111,11 @@ def test_a_page_changed_in_l2_is_recomputed_not_served(model_dir, page_gb, refer
     assert c1.stats["loaded_back"] == 0
 
 
-def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core):
+@pytest.mark.parametrize("async_min_pages", [4, 1], ids=["sync-loads", "async-loads"])
+def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core, async_min_pages):
     """200 requests (CI size; the issue asks for 1,000 on a quiet machine: set KVBUS_LEAK_REQUESTS),
-    shared prefixes, seeded random aborts; then every tier's counts add up."""
+    shared prefixes, seeded random aborts (also while pages load asynchronously); then every
+    tier's counts add up."""
     import os
 
     rng = random.Random(1234)
@@ -124,6 +127,7 @@ def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core)
 
     page_gb = kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
     engine = make_engine(tiny_model, page_gb, client, max_running_requests=4)
+    engine.block_manager.async_load_min_pages = async_min_pages
     live: list[str] = []
     for i in range(n):
         base = bases[rng.randrange(len(bases))]
@@ -141,11 +145,14 @@ def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core)
         engine.step()
     bm = engine.block_manager
     bm.wait_for_copies()
+    bm.wait_for_loads()
     engine.step()
     assert engine.num_running == engine.num_waiting == 0
     assert bm.num_free_pages == bm.num_pages and bm.num_copying == 0
     assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
     assert client.stats["written_back"] > 0 and client.stats["loaded_back"] > 0
+    assert (bm.num_async_loads > 0) == (async_min_pages == 1)
+    assert (bm.num_loads_cancelled > 0) == (async_min_pages == 1)  # aborts while loading happened
     core.index.check()
     assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
 
@@ -207,3 +214,123 @@ def test_write_policies_are_observable(tiny_model, core, policy, after_first, af
     engine.block_manager.wait_for_copies()
     assert client.stats["written_back"] == after_hits
     assert engine.block_manager.num_evictions == 0
+
+
+# ---- asynchronous load-back through the real engine and client --------------------------------
+
+
+class LoadGate:
+    """Holds the client's load jobs on the copy thread until ``release`` (no sleeps)."""
+
+    def __init__(self, client: HostTierClient):
+        self.opened, self.entered = threading.Event(), threading.Event()
+        run = client._load_job
+
+        def gated(*args):
+            self.entered.set()
+            assert self.opened.wait(120), "the test never released the gate"
+            run(*args)
+
+        client._load_job = gated
+
+    def release(self) -> None:
+        self.opened.set()
+
+
+def warm_l2(model_dir, page_gb, core, ps, ref):
+    """An engine whose L2 holds ps[0]'s and ps[1]'s pages (evicted from L1 by the others)."""
+    client = HostTierClient(LocalLink(core), owner="e1")
+    engine = make_engine(model_dir, page_gb, client)
+    engine.block_manager.write_back_window = 0  # copies at eviction only: the gated copy thread holds no write
+    engine.block_manager.async_load_min_pages = 2
+    assert [run(engine, p).token_ids for p in ps] == ref
+    return client, engine
+
+
+def collect(engine, outs, steps=1):
+    for _ in range(steps):
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+
+
+def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    gate = LoadGate(client)
+    outs: dict = {}
+    engine.add_request("other", ps[1], GREEDY)  # nothing else runs: its own L2 hits load synchronously
+    collect(engine, outs)
+    assert len(outs["other"]) == 1 and engine.scheduler.loading == []
+    loaded = client.stats["loaded_back"]
+    engine.add_request("loader", ps[0], GREEDY)
+    collect(engine, outs)
+    assert gate.entered.wait(60)
+    (seq,) = engine.scheduler.loading
+    assert seq.request_id == "loader" and seq.num_computed_tokens == 0
+    collect(engine, outs, 2)  # the load is held: the other request keeps producing tokens
+    assert len(outs["other"]) == 4 and "loader" not in outs and engine.scheduler.loading == [seq]
+    while not outs["other"][-1].finished:
+        collect(engine, outs)
+    assert "loader" not in outs and engine.num_running == 1  # admitted, loading
+    gate.release()  # from here the step has nothing to run but the load: it waits for it to land
+    while engine.has_unfinished():
+        collect(engine, outs)
+    tokens = {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+    assert tokens == {"other": ref[1], "loader": ref[0]}
+    usage = outs["loader"][-1].usage
+    assert usage.cached_tokens_host == 3 * PAGE and client.stats["loaded_back"] == loaded + 3
+    bm = engine.block_manager
+    bm.wait_for_copies()
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+    core.index.check()
+
+
+def test_async_load_failing_verification_partway_recomputes_the_rest(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    gate = LoadGate(client)
+    outs: dict = {}
+    engine.add_request("other", ps[1], GREEDY)
+    collect(engine, outs)
+    engine.add_request("loader", ps[0], GREEDY)
+    collect(engine, outs)
+    assert gate.entered.wait(60)
+    from services.engine.page_hash import page_hashes
+
+    second = page_hashes(ps[0], PAGE)[1]
+    core.arena.invalidate(client.mirror[second])  # evicted and refilled while queued for the copy
+    loaded, failed = client.stats["loaded_back"], client.stats["verify_failed"]
+    gate.release()
+    while engine.has_unfinished():
+        collect(engine, outs)
+    assert [t for o in outs["loader"] for t in o.new_token_ids] == ref[0]
+    assert client.stats["loaded_back"] == loaded + 1 and client.stats["verify_failed"] == failed + 1
+    assert outs["loader"][-1].usage.cached_tokens_host == PAGE
+    bm = engine.block_manager
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+
+
+def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    gate = LoadGate(client)
+    outs: dict = {}
+    engine.add_request("other", ps[1], GREEDY)
+    collect(engine, outs)
+    engine.add_request("loader", ps[0], GREEDY)
+    collect(engine, outs)
+    assert gate.entered.wait(60)
+    bm = engine.block_manager
+    engine.abort("loader")
+    collect(engine, outs)
+    assert outs["loader"][-1].finish_reason == "abort" and engine.scheduler.loading == []
+    assert bm.num_loading == 1  # its pages are still the copy thread's
+    held = bm.num_used_pages
+    gate.release()
+    bm.wait_for_loads()
+    while engine.has_unfinished():
+        collect(engine, outs)
+    assert [t for o in outs["other"] for t in o.new_token_ids] == ref[1]
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages and held > 0
+    assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
+    core.index.check()
