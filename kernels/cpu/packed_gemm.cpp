@@ -10,10 +10,16 @@
 // w[16c:16c+16, :] transposed, so y[m, 16c:16c+16] = sum_k x[m, k] * wp[c, k, :] vectorizes over
 // 16 outputs: one load of w, one broadcast of x per row, one FMA, no horizontal sums, and w is
 // streamed once, in order. Each output is summed over k in one fixed order whatever M is, so a
-// row's result does not depend on the rows beside it. Measured on the 2-core dev VM (all 121
-// projections of SmolLM2-135M): 18-29 GB/s for 1-8 rows, against 12-17 for oneDNN's prepacked
-// GEMM and 6-12 for MKL (docs/engine.md). An earlier row-major variant (a dot product per
-// output) peaked at 22 GB/s at one row and fell to 12 at eight.
+// row's result does not depend on the rows beside it.
+//
+// Register tiles: up to 12 rows go in one pass over w (more rows: passes of 12), with NB column
+// blocks per tile chosen so NB x rows accumulators fit the 32 vector registers (4 blocks for up
+// to 4 rows, 3 for 5-8, 2 for 9-12). The rows are first copied k-major (xt[k][row]), so a tile's
+// broadcasts for one k read one or two cache lines instead of one line in each of M rows. All 121
+// projections of SmolLM2-135M on the 2-core dev VM, against the previous kernel (2 blocks, rows
+// read in place, passes of 8): 0.93x the time at 1 row, 0.69x at 8, 0.55x at 12; results
+// bit-identical (same summation order). Earlier: 18-29 GB/s for 1-8 rows, against 12-17 for
+// oneDNN's prepacked GEMM and 6-12 for MKL (docs/engine.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,27 +36,57 @@
 namespace kvbus_cpu {
 namespace {
 
-// Two column blocks x up to 8 rows of x = 16 accumulators.
 constexpr int64_t PREFETCH_LINES = 16;
+constexpr int MAX_ROWS = 12;  // rows per pass over w
 
 #if defined(__AVX512F__)
-template <int MR>
-inline void packed_tile(const float* w0, const float* w1, const float* const* xr, int64_t K, __m512 acc[2][8]) {
-  for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+// y[rows, n0 : n0 + 16 * NB] for MR rows whose x is k-major in xt (row j of k at xt[k * MR + j]).
+template <int NB, int MR>
+inline void packed_tile(const float* const* w, const float* xt, int64_t K, float* const* yrow, const float* bp,
+                        int64_t n0, int64_t N) {
+  __m512 acc[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < MR; ++j) acc[b][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     // Each k consumes one cache line of each block; fetching 16 lines ahead lets the loads
-    // overlap the FMAs once 8 rows make the loop compute-heavy (~5% at 8 rows, measured with
-    // all 210 layer projections on the dev VM; a prefetch past the end never faults).
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (k + PREFETCH_LINES) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (k + PREFETCH_LINES) * 16), _MM_HINT_T0);
-    const __m512 a = _mm512_loadu_ps(w0 + k * 16);
-    const __m512 b = _mm512_loadu_ps(w1 + k * 16);
+    // overlap the FMAs once several rows make the loop compute-heavy (a prefetch past the end
+    // never faults).
+    __m512 a[NB];
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[b] + (k + PREFETCH_LINES) * 16), _MM_HINT_T0);
+      a[b] = _mm512_loadu_ps(w[b] + k * 16);
+    }
+    const float* xk = xt + k * MR;
     for (int j = 0; j < MR; ++j) {
-      const __m512 xv = _mm512_set1_ps(xr[j][k]);
-      acc[0][j] = _mm512_fmadd_ps(a, xv, acc[0][j]);
-      acc[1][j] = _mm512_fmadd_ps(b, xv, acc[1][j]);
+      const __m512 xv = _mm512_set1_ps(xk[j]);
+      for (int b = 0; b < NB; ++b) acc[b][j] = _mm512_fmadd_ps(a[b], xv, acc[b][j]);
     }
   }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n = n0 + b * 16;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bv = bp ? _mm512_maskz_loadu_ps(mask, bp + n) : _mm512_setzero_ps();
+    for (int j = 0; j < MR; ++j) _mm512_mask_storeu_ps(yrow[j] + n, mask, _mm512_add_ps(acc[b][j], bv));
+  }
+}
+
+// One pass over w for MR rows: tiles of NB column blocks shared out among the threads.
+template <int NB, int MR>
+void packed_pass(const float* wpp, int64_t C, int64_t K, int64_t N, const float* xt, float* const* yrow,
+                 const float* bp, const float* zero_w) {
+  const int64_t tiles = (C + NB - 1) / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* w[NB];
+      for (int b = 0; b < NB; ++b) {
+        const int64_t c = t * NB + b;
+        w[b] = c < C ? wpp + c * K * 16 : zero_w;  // zeros stand in for blocks past the last
+      }
+      packed_tile<NB, MR>(w, xt, K, yrow, bp, t * NB * 16, N);
+    }
+  });
 }
 
 void packed_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, at::Tensor& y) {
@@ -70,46 +106,34 @@ void packed_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<
   const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = y.stride(0);
-  const int64_t pairs = (C + 1) / 2;
-  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> zero_w;  // stands in for the missing second block of an odd C
-    __m512 acc[2][8];
-    for (int64_t pr = begin; pr < end; ++pr) {
-      const int64_t c0 = 2 * pr, c1 = c0 + 1;
-      const float* w0 = wpp + c0 * K * 16;
-      const float* w1;
-      if (c1 < C) {
-        w1 = wpp + c1 * K * 16;
-      } else {
-        if (zero_w.empty()) zero_w.assign(K * 16, 0.f);
-        w1 = zero_w.data();
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int mr = static_cast<int>(std::min<int64_t>(8, M - m0));
-        const float* xr[8];
-        for (int j = 0; j < mr; ++j) xr[j] = xp + (m0 + j) * xs;
-        switch (mr) {
-          case 8: packed_tile<8>(w0, w1, xr, K, acc); break;
-          case 7: packed_tile<7>(w0, w1, xr, K, acc); break;
-          case 6: packed_tile<6>(w0, w1, xr, K, acc); break;
-          case 5: packed_tile<5>(w0, w1, xr, K, acc); break;
-          case 4: packed_tile<4>(w0, w1, xr, K, acc); break;
-          case 3: packed_tile<3>(w0, w1, xr, K, acc); break;
-          case 2: packed_tile<2>(w0, w1, xr, K, acc); break;
-          default: packed_tile<1>(w0, w1, xr, K, acc); break;
-        }
-        for (int half = 0; half < 2; ++half) {
-          const int64_t n0 = (c0 + half) * 16;
-          if (n0 >= N) break;
-          const int64_t left = N - n0;
-          const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-          const __m512 bv = bp ? _mm512_maskz_loadu_ps(mask, bp + n0) : _mm512_setzero_ps();
-          for (int j = 0; j < mr; ++j)
-            _mm512_mask_storeu_ps(yp + (m0 + j) * ys + n0, mask, _mm512_add_ps(acc[half][j], bv));
-        }
-      }
+  // Per calling thread, grown once: the k-major rows, and zeros for a last tile short of blocks.
+  thread_local std::vector<float> xt, zero_w;
+  if (xt.size() < static_cast<size_t>(K * MAX_ROWS)) xt.resize(K * MAX_ROWS);
+  if (zero_w.size() < static_cast<size_t>(K * 16)) zero_w.assign(K * 16, 0.f);
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+    const int mr = static_cast<int>(std::min<int64_t>(MAX_ROWS, M - m0));
+    for (int j = 0; j < mr; ++j) {
+      const float* row = xp + (m0 + j) * xs;
+      for (int64_t k = 0; k < K; ++k) xt[k * mr + j] = row[k];
     }
-  });
+    float* yrow[MAX_ROWS];
+    for (int j = 0; j < mr; ++j) yrow[j] = yp + (m0 + j) * ys;
+    const float* z = zero_w.data();
+    switch (mr) {
+      case 12: packed_pass<2, 12>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 11: packed_pass<2, 11>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 10: packed_pass<2, 10>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 9: packed_pass<2, 9>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 8: packed_pass<3, 8>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 7: packed_pass<3, 7>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 6: packed_pass<3, 6>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 5: packed_pass<3, 5>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 4: packed_pass<4, 4>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 3: packed_pass<4, 3>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      case 2: packed_pass<4, 2>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+      default: packed_pass<4, 1>(wpp, C, K, N, xt.data(), yrow, bp, z); break;
+    }
+  }
 }
 #else
 void packed_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, at::Tensor& y) {

@@ -83,16 +83,19 @@ def test_packed_decode_weights_agree_with_f_linear(out_features, in_features):
     w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
     cw = CpuWeight(w)
     assert cw.shape == (out_features, in_features)
-    for rows in (1, 2, 5, 8, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
+    for rows in (1, 2, 3, 4, 5, 8, 9, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 25, 40):
         x = torch.randn(rows, in_features, generator=g)
         want = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
         for packed in (True, False):
             torch.testing.assert_close(linear(x, cw, b, packed), want, atol=1e-4, rtol=1e-5)
             torch.testing.assert_close(linear(x, cw, None, packed), want - b, atol=1e-4, rtol=1e-5)
+        # the packed kernel itself at any row count (the lm_head's rule), in passes of 12 rows
+        torch.testing.assert_close(linear(x, cw, b, True, max_rows=None), want, atol=1e-4, rtol=1e-5)
     # a strided view of rows (the engine passes slices)
     x = torch.randn(6, in_features * 2, generator=g)[:, :in_features]
     torch.testing.assert_close(linear(x, cw, None, True), x @ w.T, atol=1e-4, rtol=1e-5)
     # a decode row's result does not depend on the rows beside it (batch-invariant decode)
     rows = torch.randn(NATIVE_MAX_ROWS, in_features, generator=g)
     alone = torch.cat([linear(rows[i:i + 1], cw, b, True) for i in range(NATIVE_MAX_ROWS)])
-    assert torch.equal(linear(rows, cw, b, True), alone)
+    for n in range(1, NATIVE_MAX_ROWS + 1):  # every tile shape
+        assert torch.equal(linear(rows[:n], cw, b, True), alone[:n]), n
