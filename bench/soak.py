@@ -125,6 +125,12 @@ async def soak(system, args) -> int:
         grew |= growth >= 5.0
         rows.append([name, f"{after_warmup[name] / 2**20:.0f}", f"{end[name] / 2**20:.0f}", f"{growth:+.1f}%"])
     print(table(rows, ["service", f"RSS MiB after {warm} requests", "RSS MiB at the end", "growth"]))
+    # the path, to tell a plateau (a high-water mark reached) from a steady climb (a leak)
+    marks = [warm * k for k in range(1, 11)]
+    path = [next((rss for n, rss in samples if n >= m), end) for m in marks]
+    print(f"\nRSS MiB every {warm} requests: " + "; ".join(
+        f"{name} " + " ".join(f"{p[name] / 2**20:.0f}" for p in path) for name in sorted(pids)
+        if abs(end[name] - after_warmup[name]) >= 0.02 * after_warmup[name]) or "(no service moved 2% or more)")
 
     tenths = []
     for k in range(10):

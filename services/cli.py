@@ -61,7 +61,8 @@ def cmd_serve(argv: list[str]) -> int:
     setup_logging(args.log_level)
     from services.engine.host_memory import bound_kernel_cache, keep_freed_memory
 
-    keep_freed_memory()  # process-wide: freed activations stay mapped (a prefill no longer page-faults them in)
+    if os.environ.get("KVBUS_KEEP_FREED_MEMORY", "1") != "0":  # 0: glibc's defaults (RSS shrinks, prefill faults)
+        keep_freed_memory()  # process-wide: freed activations stay mapped (a prefill no longer page-faults them in)
     bound_kernel_cache()  # process-wide: oneDNN keeps 64 kernels, not one per prompt length ever seen
     try:
         bus_config = bus_config_from(args)
