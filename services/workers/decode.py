@@ -97,8 +97,11 @@ class DecodeActor(WorkerActor):
         timings.update({**reply.timings, "prefill_call_s": t1 - t0, "transfer_receive_s": t2 - t1})
         self.num_remote_prefills += 1
         self.num_transfers[reply.kv.backend] = self.num_transfers.get(reply.kv.backend, 0) + 1
+        num_pages = kv.shape[0] if kv.dim() else 0
+        if skip and num_pages == -(-len(req.prompt_token_ids) // self.engine.block_manager.page_size):
+            skip = 0  # a prefill worker that predates skip_pages sent every page: take them all
         self.transfer_bytes += reply.kv.num_bytes
-        self.transfer_pages += kv.shape[0] if kv.dim() else 0
+        self.transfer_pages += num_pages
         self.transfer_pages_skipped += skip
         return self.engine.generate_prefilled(
             req.prompt_token_ids, reply.first_token_id, kv, req.sampling, request_id=req.request_id,

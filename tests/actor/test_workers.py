@@ -167,3 +167,22 @@ async def test_only_the_pages_the_decode_worker_lacks_cross(system, reference, r
             break
         await asyncio.sleep(0.05)
     assert all_pages_free(prefill, decode)
+
+
+async def test_a_prefill_worker_that_ignores_skip_pages_still_serves(system, reference, reference_turn2):
+    """A prefill worker from before skip_pages sends every page; the decode worker takes them all."""
+    prefill, decode, client = system
+    assert await generate(client, "prefill-0") == reference
+    real = prefill.engine.prefill
+
+    async def old_prefill(prompt, params, request_id=None, **_ignored):
+        return await real(prompt, params, request_id=request_id)
+
+    prefill.engine.prefill = old_prefill
+    try:
+        sent, skipped = decode.transfer_pages, decode.transfer_pages_skipped
+        assert await generate(client, "prefill-0", prompt=PROMPT + reference + NEXT_TURN) == reference_turn2
+        assert decode.transfer_pages - sent == 9 and decode.transfer_pages_skipped == skipped
+        assert decode.num_local_prefills == 0 and decode.num_prefill_failures == 0
+    finally:
+        del prefill.engine.prefill  # the instance attribute: back to the class's method
