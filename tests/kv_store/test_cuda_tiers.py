@@ -32,15 +32,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def tiny_cuda_model(tmp_path_factory):
     """The tiny random Llama of conftest.tiny_model, without the default model's tokenizer
     (the engines here run on token ids: load_tokenizer=False; the folder check wants a file)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.kv_store.conftest import save_tiny_llama
 
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, initializer_range=0.5, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama-cuda")
-    hf.save_pretrained(path, safe_serialization=True)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cuda"))
     (path / "tokenizer.json").write_text("{}")
     return path
 
