@@ -242,15 +242,22 @@ def test_random_workload_never_leaks_or_overcommits():
 # ---- asynchronous load-back: a sequence waits for its pages, the others keep stepping ------
 
 
-def test_a_loading_sequence_waits_while_the_others_step():
+def loading_setup(num_pages: int, max_running: int, b_max_tokens: int = 4):
+    """Sequence b (14 tokens: 3 full pages) whose pages the host tier holds, loaded asynchronously
+    (AsyncTier: the test lands each load by hand), and a scheduler over a pool of ``num_pages``."""
     from services.engine.page_hash import page_hashes
     from tests.engine.test_block_manager import AsyncTier
 
-    b = seq("b", 14, max_tokens=2, base=50)
+    b = seq("b", 14, max_tokens=b_max_tokens, base=50)
     tier = AsyncTier(page_hashes(b.token_ids, PS))
-    bm = BlockManager(16, PS, hooks=tier)
+    bm = BlockManager(num_pages, PS, hooks=tier)
     bm.async_load_min_pages = 2
-    sched = Scheduler(bm, max_running_requests=2, max_prefill_tokens=32, chunked_prefill_size=16)
+    sched = Scheduler(bm, max_running_requests=max_running, max_prefill_tokens=32, chunked_prefill_size=16)
+    return sched, bm, tier, b
+
+
+def test_a_loading_sequence_waits_while_the_others_step():
+    sched, bm, tier, b = loading_setup(16, 2, b_max_tokens=2)
     a = seq("a", 5, max_tokens=8)
     sched.add(a)
     finished: list = []
@@ -278,14 +285,7 @@ def test_a_loading_sequence_waits_while_the_others_step():
 
 
 def test_an_abort_while_loading_frees_the_pages_once_the_copy_landed():
-    from services.engine.page_hash import page_hashes
-    from tests.engine.test_block_manager import AsyncTier
-
-    b = seq("b", 14, base=50)
-    tier = AsyncTier(page_hashes(b.token_ids, PS))
-    bm = BlockManager(16, PS, hooks=tier)
-    bm.async_load_min_pages = 2
-    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    sched, bm, tier, b = loading_setup(16, 4)
     a = seq("a", 5, max_tokens=8)
     sched.add(a)
     fake_step(sched, sched.schedule(), [])
@@ -306,14 +306,7 @@ def test_an_abort_while_loading_frees_the_pages_once_the_copy_landed():
 def test_a_full_pool_waits_for_a_loading_sequence_instead_of_cutting_the_runner_short():
     """The only running sequence needs a page that a loading one holds: it waits a step (no
     'length' finish); once the load lands the loaded sequence is the newest and is preempted."""
-    from services.engine.page_hash import page_hashes
-    from tests.engine.test_block_manager import AsyncTier
-
-    b = seq("b", 14, max_tokens=2, base=50)
-    tier = AsyncTier(page_hashes(b.token_ids, PS))
-    bm = BlockManager(7, PS, hooks=tier)
-    bm.async_load_min_pages = 2
-    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    sched, bm, tier, b = loading_setup(7, 4, b_max_tokens=2)
     a = seq("a", 7, max_tokens=20)
     sched.add(a)
     finished: list = []
@@ -339,14 +332,7 @@ def test_a_full_pool_waits_for_a_loading_sequence_instead_of_cutting_the_runner_
 def test_a_load_landed_while_the_step_waited_is_taken_at_the_next_schedule():
     """The engine waits for a load when nothing else can run (BlockManager.wait_loads): what
     landed then must still be handed to the scheduler."""
-    from services.engine.page_hash import page_hashes
-    from tests.engine.test_block_manager import AsyncTier
-
-    b = seq("b", 14, max_tokens=2, base=50)
-    tier = AsyncTier(page_hashes(b.token_ids, PS))
-    bm = BlockManager(16, PS, hooks=tier)
-    bm.async_load_min_pages = 2
-    sched = Scheduler(bm, max_running_requests=4, max_prefill_tokens=32, chunked_prefill_size=16)
+    sched, bm, tier, b = loading_setup(16, 4, b_max_tokens=2)
     a = seq("a", 5, max_tokens=1)
     sched.add(a)
     sched.add(b)  # a is queued behind it: b loads asynchronously

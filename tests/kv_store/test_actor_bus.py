@@ -87,8 +87,9 @@ async def system(config):
     await client.close()
 
 
-async def generate(client, worker_id: str) -> list[int]:
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=GREEDY)
+async def generate(client, worker_id: str, prompt: list[int] = PROMPT, **fields) -> list[int]:
+    """Greedy tokens of ``prompt`` streamed from ``worker_id``; ``fields``: more WorkerGenerateRequest fields."""
+    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=GREEDY, **fields)
     out: list[int] = []
     async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
         async for chunk in chunks:
@@ -175,13 +176,7 @@ async def test_a_decode_worker_counts_host_tier_pages_as_held(system, config, re
     prefill, decode = pair
     try:
         await wait_for(lambda: prefill.tier.is_attached and decode.tier.is_attached, what="pair attached")
-        req = WorkerGenerateRequest(request_id="turn", prompt_token_ids=PROMPT, sampling=GREEDY,
-                                    prefill_worker_id="prefill-x")
-        out = []
-        async with client.stream(WORKER_GENERATE, req, worker_id="decode-x") as chunks:
-            async for chunk in chunks:
-                out += chunk.token_ids
-        assert out == reference
+        assert await generate(client, "decode-x", prefill_worker_id="prefill-x") == reference
         assert decode.num_remote_prefills == 1
         assert (decode.transfer_pages_skipped, decode.transfer_pages) == (4, 1)
         assert decode.tier.stats["loaded_back"] == 4 and prefill.tier.stats["loaded_back"] == 4

@@ -253,6 +253,20 @@ def collect(engine, outs, steps=1):
             outs.setdefault(out.request_id, []).append(out)
 
 
+def start_gated_load(model_dir, page_gb, core, ps, ref):
+    """Request "other" (ps[1]) steps; request "loader" (ps[0]) is admitted and its L2 load is held
+    on the copy thread by the returned gate."""
+    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    gate = LoadGate(client)
+    outs: dict = {}
+    engine.add_request("other", ps[1], GREEDY)
+    collect(engine, outs)
+    engine.add_request("loader", ps[0], GREEDY)
+    collect(engine, outs)
+    assert gate.entered.wait(60)
+    return client, engine, gate, outs
+
+
 def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, page_gb, reference, core):
     ps, ref = reference
     client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
@@ -287,14 +301,7 @@ def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, p
 
 def test_async_load_failing_verification_partway_recomputes_the_rest(model_dir, page_gb, reference, core):
     ps, ref = reference
-    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
-    gate = LoadGate(client)
-    outs: dict = {}
-    engine.add_request("other", ps[1], GREEDY)
-    collect(engine, outs)
-    engine.add_request("loader", ps[0], GREEDY)
-    collect(engine, outs)
-    assert gate.entered.wait(60)
+    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
     from services.engine.page_hash import page_hashes
 
     second = page_hashes(ps[0], PAGE)[1]
@@ -312,14 +319,7 @@ def test_async_load_failing_verification_partway_recomputes_the_rest(model_dir, 
 
 def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, reference, core):
     ps, ref = reference
-    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
-    gate = LoadGate(client)
-    outs: dict = {}
-    engine.add_request("other", ps[1], GREEDY)
-    collect(engine, outs)
-    engine.add_request("loader", ps[0], GREEDY)
-    collect(engine, outs)
-    assert gate.entered.wait(60)
+    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
     bm = engine.block_manager
     engine.abort("loader")
     collect(engine, outs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 
 import httpx
 import numpy as np
@@ -20,18 +19,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.memory import MemoryNetwork, memory_bus
-from bus.subjects import WORKER_GENERATE
-from schemas.engine import SamplingParams
-from schemas.worker import WorkerGenerateRequest
 from services.kv_store.actor import KVStoreActor
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.store import StoreCore
 from services.natsd import free_port
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
+from tests.kv_store.test_actor_bus import generate as stream_greedy
 
 pytestmark = pytest.mark.anyio
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(11).randrange(10, 300) for _ in range(70)]  # 4 full pages of 16 + 6 tokens
 PAGE = 16
 
@@ -93,12 +89,7 @@ async def stop_all(started) -> None:
 
 
 async def generate(client, worker_id: str) -> list[int]:
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=GREEDY)
-    out: list[int] = []
-    async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
-        async for chunk in chunks:
-            out += chunk.token_ids
-    return out
+    return await stream_greedy(client, worker_id, PROMPT)  # greedy, 6 tokens (test_actor_bus.GREEDY)
 
 
 def hicache(detail: dict[str, str], key: str) -> float:
