@@ -1,0 +1,69 @@
+"""The packed decode GEMM alone: all 121 projections of SmolLM2-135M fp32, per row count.
+
+    python -m bench.packed_gemm_bench                # 1, 2, 4, 6, 8, 10, 12, 16 rows (~1 min on 2 cores)
+    python -m bench.packed_gemm_bench --rows 1 8 --reps 15
+
+Times one pass over every projection a decode step runs (30 layers x qkv, o, gate_up, down, and
+the lm_head) with ``kvbus_cpu::packed_gemm``, best of ``--reps``, and reports the weights' read rate
+and the ratio to the bandwidth floor (the 538 MB of weights over the read bandwidth measured in the
+same run). To compare two kernel builds, run it on each (the native build is keyed by the kernel
+sources, so ``git stash`` of a kernel change reuses the cached earlier build) one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import machine, table
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in]
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a 1 GiB sum on every core (best of 3)."""
+    x = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 16])
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    from kernels import native
+    from services.engine.linear import pack_columns
+
+    if not native.available():
+        raise SystemExit(f"native kernels: {native.unavailable_reason()}")
+    ops = native.ops()
+    g = torch.Generator().manual_seed(0)
+    weights = [pack_columns(torch.randn(n, k, generator=g)) for n, k in SHAPES]
+    nbytes = sum(n * k * 4 for n, k in SHAPES)
+    bw = read_bandwidth()
+    floor = nbytes / bw
+    print(machine())
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {nbytes / 1e6:.0f} MB; floor {floor * 1e3:.1f} ms")
+    rows = []
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+        ys = [torch.empty(m, n) for n, _ in SHAPES]
+        best = float("inf")
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            for (n, k), w, y in zip(SHAPES, weights, ys):
+                ops.packed_gemm(xs[k], w, None, y)
+            best = min(best, time.perf_counter() - t)
+        rows.append([str(m), f"{best * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}", f"{best / floor:.2f}x"])
+    print(table(rows, ["rows", "all projections ms", "weights GB/s", "time / floor"]))
+
+
+if __name__ == "__main__":
+    main()
