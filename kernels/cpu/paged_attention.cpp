@@ -11,11 +11,14 @@
 // New token i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to every
 // position <= its own; query head h reads KV head h / (Hq / Hkv).
 //
-// Work: one task per (sequence, block of <= 16 new tokens, KV head, KV split). A task holds
-// the rows of its block times the GQA group (each KV tile is read once for all of them), walks
-// its KV range in tiles of 16 tokens with an online softmax, and either writes the normalized
-// rows or, when the KV range was split (long decode contexts with few sequences, so that every
-// thread has work), a partial (max, sum, acc) that a second pass merges. Tasks are handed out
+// Work: one task per (sequence, block of <= 32 new tokens, group of KV heads, KV split). A task
+// holds the rows of its block times the GQA group (each KV tile is read once for all of them),
+// walks its KV range in tiles (32 tokens with AVX-512, else 16) with an online softmax, writes the
+// normalized rows or, when the KV range was split (long decode contexts with few sequences, so
+// that every thread has work), a partial (max, sum, acc) that a second pass merges. With AVX-512
+// and head_dim 64 or 128, a task of 16 or more rows (prefill/extend) puts its rows in vector lanes
+// (attend_lanes) and a smaller one (decode) keeps a row per register block over a transposed K
+// tile (attend_wide); both give a row the same bits. Tasks are handed out
 // dynamically over torch's own OpenMP pool (at::parallel_for), so the op uses the threads that
 // torch.set_num_threads gave the process and never oversubscribes.
 
@@ -74,6 +77,17 @@ inline void transpose16(__m512 r[16]) {
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
 }
+
+// Sum of a 32-token tile's softmax weights in one fixed order, (p_j + p_j+16), then lanes i and i+8,
+// i and i+4, i and i+2, 0 and 1: the rows-in-lanes path (attend_lanes) adds in the same order, so a
+// row gets the same bits from either path.
+inline float tree_sum32(__m512 pa, __m512 pb) {
+  const __m512 a = _mm512_add_ps(pa, pb);
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
 #endif
 
 struct Fp8Table {
@@ -122,6 +136,75 @@ struct Params {
 // row, and P.V with the row's accumulator held in registers.
 constexpr int TILE_WIDE = 32;
 
+// Walks a sequence's KV tokens [k0, k1) in tiles of TILE_WIDE: where each token's K and V rows
+// start (pages walked without a division per token), and an L2 prefetch of the next tile's rows
+// for heads h0 .. h0 + nh - 1 while this one computes: pages sit anywhere in the pool, so the
+// hardware prefetcher has to find every page's stream anew (decode attention ran at ~9 GB/s from
+// DRAM without it).
+template <typename KV, int D>
+struct TileWalk {
+  const Params& p;
+  const int32_t* table;
+  int k1, h0, nh, page_idx, slot;
+  TileWalk(const Params& p_, int b, int k0, int k1_, int h0_, int nh_)
+      : p(p_), table(p_.block_tables + static_cast<int64_t>(b) * p_.bt_stride), k1(k1_), h0(h0_), nh(nh_),
+        page_idx(k0 / p_.page_size), slot(k0 % p_.page_size) {}
+
+  // Fills the element offsets of the tile starting at t0 (head 0); returns its token count.
+  int next(int t0, int64_t* kbase, int64_t* vbase) {
+    const int n = std::min(TILE_WIDE, k1 - t0);
+    for (int j = 0; j < n; ++j) {
+      const int64_t page = table[page_idx];
+      kbase[j] = page * p.k_stride_page + slot * p.k_stride_tok;
+      vbase[j] = page * p.v_stride_page + slot * p.v_stride_tok;
+      if (++slot == p.page_size) slot = 0, ++page_idx;
+    }
+    prefetch(t0 + n);
+    return n;
+  }
+
+  // Prefetches the tile starting at token tok (T1: into L2) for heads h0 .. h0 + nh - 1.
+  void prefetch(int tok) {
+    if (tok >= k1) return;
+    const KV* kc = reinterpret_cast<const KV*>(p.k_base);
+    const KV* vc = reinterpret_cast<const KV*>(p.v_base);
+    const int n_next = std::min(TILE_WIDE, k1 - tok);
+    int pi = tok / p.page_size, sl = tok % p.page_size;
+    constexpr int row_bytes = D * static_cast<int>(sizeof(KV));
+    for (int j = 0; j < n_next; ++j) {
+      const int64_t page = table[pi];
+      const char* kr = reinterpret_cast<const char*>(kc + page * p.k_stride_page + sl * p.k_stride_tok + h0 * p.k_stride_head);
+      const char* vr = reinterpret_cast<const char*>(vc + page * p.v_stride_page + sl * p.v_stride_tok + h0 * p.v_stride_head);
+      for (int hi = 0; hi < nh; ++hi) {
+        for (int off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(kr + hi * p.k_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
+          _mm_prefetch(vr + hi * p.v_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
+        }
+      }
+      if (++sl == p.page_size) sl = 0, ++pi;
+    }
+  }
+};
+
+// The K and V rows of head h for the tile's n tokens as float: in place for an fp32 cache, else
+// converted into K / V ([TILE_WIDE, D] scratch).
+template <typename KV, int D>
+inline void tile_rows(const Params& p, int h, int n, const int64_t* kbase, const int64_t* vbase, float* K, float* V,
+                      const float** krow, const float** vrow) {
+  const KV* kc = reinterpret_cast<const KV*>(p.k_base);
+  const KV* vc = reinterpret_cast<const KV*>(p.v_base);
+  for (int j = 0; j < n; ++j) {
+    const KV* ks = kc + kbase[j] + h * p.k_stride_head;
+    const KV* vs = vc + vbase[j] + h * p.v_stride_head;
+    if constexpr (std::is_same_v<KV, float>) {
+      krow[j] = ks, vrow[j] = vs;
+    } else {
+      load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
+      krow[j] = K + j * D, vrow[j] = V + j * D;
+    }
+  }
+}
+
 template <typename KV, int D>
 void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, const int* limits, int R, int k0,
                  int k1, float* acc_all, float* m_all, float* l_all, float* scratch) {
@@ -133,60 +216,22 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
   float* V = K + TN * D;       // [TN, D]
   float* Kt = V + TN * D;      // [D, TN]
   float* S = Kt + TN * D;      // [R, TN]
-  const KV* kc = reinterpret_cast<const KV*>(p.k_base);
-  const KV* vc = reinterpret_cast<const KV*>(p.v_base);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.bt_stride;
   for (int r = 0; r < nh * R; ++r) m_all[r] = -std::numeric_limits<float>::infinity(), l_all[r] = 0.f;
   std::fill(acc_all, acc_all + static_cast<int64_t>(nh) * R * D, 0.f);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int page_idx = k0 / p.page_size, slot = k0 % p.page_size;
+  TileWalk<KV, D> walk(p, b, k0, k1, h0, nh);
   int64_t kbase[TN], vbase[TN];
   const float* krow[TN];
   const float* vrow[TN];
   for (int t0 = k0; t0 < k1; t0 += TN) {
-    const int n = std::min(TN, k1 - t0);
-    for (int j = 0; j < n; ++j) {
-      const int64_t page = table[page_idx];
-      kbase[j] = page * p.k_stride_page + slot * p.k_stride_tok;
-      vbase[j] = page * p.v_stride_page + slot * p.v_stride_tok;
-      if (++slot == p.page_size) slot = 0, ++page_idx;
-    }
-    // Prefetch the next tile's rows into L2 while this one computes: pages sit anywhere in the
-    // pool, so the hardware prefetcher has to find every page's stream anew (decode attention
-    // ran at ~9 GB/s from DRAM without this).
-    {
-      const int n_next = std::min(TN, k1 - (t0 + n));
-      int pi = page_idx, sl = slot;
-      constexpr int row_bytes = D * static_cast<int>(sizeof(KV));
-      for (int j = 0; j < n_next; ++j) {
-        const int64_t page = table[pi];
-        const char* kr = reinterpret_cast<const char*>(kc + page * p.k_stride_page + sl * p.k_stride_tok + h0 * p.k_stride_head);
-        const char* vr = reinterpret_cast<const char*>(vc + page * p.v_stride_page + sl * p.v_stride_tok + h0 * p.v_stride_head);
-        for (int hi = 0; hi < nh; ++hi) {
-          for (int off = 0; off < row_bytes; off += 64) {
-            _mm_prefetch(kr + hi * p.k_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
-            _mm_prefetch(vr + hi * p.v_stride_head * static_cast<int64_t>(sizeof(KV)) + off, _MM_HINT_T1);
-          }
-        }
-        if (++sl == p.page_size) sl = 0, ++pi;
-      }
-    }
+    const int n = walk.next(t0, kbase, vbase);
     for (int hi = 0; hi < nh; ++hi) {
     const int h = h0 + hi;
     const float* Q = Q_all + static_cast<int64_t>(hi) * R * D;
     float* acc = acc_all + static_cast<int64_t>(hi) * R * D;
     float* m = m_all + hi * R;
     float* l = l_all + hi * R;
-    for (int j = 0; j < n; ++j) {
-      const KV* ks = kc + kbase[j] + h * p.k_stride_head;
-      const KV* vs = vc + vbase[j] + h * p.v_stride_head;
-      if constexpr (std::is_same_v<KV, float>) {
-        krow[j] = ks, vrow[j] = vs;
-      } else {
-        load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
-        krow[j] = K + j * D, vrow[j] = V + j * D;
-      }
-    }
+    tile_rows<KV, D>(p, h, n, kbase, vbase, K, V, krow, vrow);
     // Kt [D, TN] by 16 x 16 blocks transposed in registers (a scalar gather cost more than the
     // whole QK for decode's few rows)
     for (int jb = 0; jb < TN; jb += 16) {
@@ -254,8 +299,8 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
         const __m512 mv = _mm512_set1_ps(mx);
         const __m512 pa = _mm512_maskz_mov_ps(ma, exp512(_mm512_sub_ps(sa, mv)));
         const __m512 pb = _mm512_maskz_mov_ps(mb, exp512(_mm512_sub_ps(sb, mv)));
-        alpha[i] = exp_nonpos(m[rr] - mx);
-        l[rr] = l[rr] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+        alpha[i] = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[rr] - mx)));
+        l[rr] = std::fma(l[rr], alpha[i], tree_sum32(pa, pb));
         m[rr] = mx;
         _mm512_store_ps(P[i], pa), _mm512_store_ps(P[i] + 16, pb);
       }
@@ -296,6 +341,129 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
       }
     }
     }  // heads
+  }
+}
+
+// Blocks of >= 16 rows (prefill/extend): rows in lanes. One vector holds a 16-row group's scores
+// for one key, so the online softmax is vertical (the row path's per-row max and sum reduce
+// across lanes, a chain of shuffles that serialized its softmax), and S needs no transposed K:
+// S[j] += K[j][d] (a broadcast) * Qt[d]. Per row it is the row path's arithmetic, bit for bit:
+// the same tiles, the same fma chains over d and over j, the same order of the tile's sum
+// (tree_sum32), the same exp; so a row's result never depends on how many rows share its task.
+constexpr int LANES = 16;
+
+inline int lane_rows(int R) { return (R + LANES - 1) / LANES * LANES; }
+
+template <typename KV, int D>
+void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, const int* limits, int R, int k0,
+                  int k1, float* acc_all, float* m_all, float* l_all, float* scratch) {
+  constexpr int TN = TILE_WIDE, L = LANES, JC = 16, DC = 16;
+  const int groups = lane_rows(R) / L;
+  const int64_t group_floats = static_cast<int64_t>(D) * L;
+  float* K = scratch;                                     // [TN, D] converted rows (non-fp32 caches)
+  float* V = K + TN * D;                                  // [TN, D]
+  float* S = V + TN * D;                                  // [TN, L] scores, then weights
+  float* zero = S + TN * L;                               // [D] a key row for a chunk's missing keys
+  float* Qt = zero + D;                                   // [nh, groups, D, L]
+  float* At = Qt + nh * groups * group_floats;            // [nh, groups, D, L] accumulators
+  float* Mv = At + nh * groups * group_floats;            // [nh, groups, L]
+  float* Lv = Mv + nh * groups * L;                       // [nh, groups, L]
+  int* lim = reinterpret_cast<int*>(Lv + nh * groups * L);  // [groups, L]; padding lanes see nothing
+  std::fill(zero, zero + D, 0.f);
+  for (int r = 0; r < groups * L; ++r) lim[r] = r < R ? limits[r] : 0;
+  for (int hi = 0; hi < nh; ++hi) {
+    for (int g = 0; g < groups; ++g) {
+      float* qt = Qt + (hi * groups + g) * group_floats;
+      for (int i = 0; i < L; ++i) {
+        const int r = g * L + i;
+        const float* q = Q_all + (static_cast<int64_t>(hi) * R + r) * D;
+        for (int d = 0; d < D; ++d) qt[d * L + i] = r < R ? q[d] : 0.f;
+      }
+    }
+  }
+  std::fill(At, At + nh * groups * group_floats, 0.f);
+  std::fill(Mv, Mv + nh * groups * L, -std::numeric_limits<float>::infinity());
+  std::fill(Lv, Lv + nh * groups * L, 0.f);
+  const __m512 one = _mm512_set1_ps(1.f);
+  TileWalk<KV, D> walk(p, b, k0, k1, h0, nh);
+  int64_t kbase[TN], vbase[TN];
+  const float* krow[TN];
+  const float* vrow[TN];
+  for (int t0 = k0; t0 < k1; t0 += TN) {
+    const int n = walk.next(t0, kbase, vbase);
+    for (int hi = 0; hi < nh; ++hi) {
+      tile_rows<KV, D>(p, h0 + hi, n, kbase, vbase, K, V, krow, vrow);
+      for (int g = 0; g < groups; ++g) {
+        int jmax = 0;  // keys of this tile any lane of the group sees
+        for (int i = 0; i < L; ++i) jmax = std::max(jmax, lim[g * L + i] - t0);
+        jmax = std::min(jmax, n);
+        if (jmax <= 0) continue;
+        const int64_t gi = hi * groups + g;
+        const float* qt = Qt + gi * group_floats;
+        // S = Q.K^T, JC keys at a time (JC register accumulators, one fma per key and d)
+        for (int j0 = 0; j0 < jmax; j0 += JC) {
+          const float* kr[JC];
+          for (int jj = 0; jj < JC; ++jj) kr[jj] = j0 + jj < jmax ? krow[j0 + jj] : zero;
+          __m512 s[JC];
+          for (int jj = 0; jj < JC; ++jj) s[jj] = _mm512_setzero_ps();
+          for (int d = 0; d < D; ++d) {
+            const __m512 qv = _mm512_loadu_ps(qt + d * L);
+            for (int jj = 0; jj < JC; ++jj) s[jj] = _mm512_fmadd_ps(_mm512_set1_ps(kr[jj][d]), qv, s[jj]);
+          }
+          for (int jj = 0; jj < JC && j0 + jj < jmax; ++jj) _mm512_storeu_ps(S + (j0 + jj) * L, s[jj]);
+        }
+        // online softmax across the tile, lane-wise; a lane whose row sees none of it is unchanged
+        const __m512i rel = _mm512_sub_epi32(_mm512_loadu_si512(lim + g * L), _mm512_set1_epi32(t0));
+        const __mmask16 any = _mm512_cmpgt_epi32_mask(rel, _mm512_setzero_si512());
+        float* mp = Mv + gi * L;
+        float* lp = Lv + gi * L;
+        const __m512 m_old = _mm512_loadu_ps(mp);
+        __m512 mx = m_old;
+        for (int j = 0; j < jmax; ++j)
+          mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), mx, _mm512_loadu_ps(S + j * L));
+        const __m512 alpha = _mm512_mask_blend_ps(any, one, exp512(_mm512_sub_ps(m_old, mx)));
+        __m512 w[TN];
+        for (int j = 0; j < TN; ++j) {
+          if (j < jmax) {
+            const __mmask16 vis = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j));
+            w[j] = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + j * L), mx)));
+            _mm512_storeu_ps(S + j * L, w[j]);
+          } else {
+            w[j] = _mm512_setzero_ps();
+          }
+        }
+        // the tile's sum in tree_sum32's order
+        for (int j = 0; j < 16; ++j) w[j] = _mm512_add_ps(w[j], w[j + 16]);
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_add_ps(w[j], w[j + 8]);
+        for (int j = 0; j < 4; ++j) w[j] = _mm512_add_ps(w[j], w[j + 4]);
+        for (int j = 0; j < 2; ++j) w[j] = _mm512_add_ps(w[j], w[j + 2]);
+        const __m512 sum = _mm512_add_ps(w[0], w[1]);
+        _mm512_storeu_ps(lp, _mm512_mask_blend_ps(any, _mm512_loadu_ps(lp), _mm512_fmadd_ps(_mm512_loadu_ps(lp), alpha, sum)));
+        _mm512_storeu_ps(mp, _mm512_mask_blend_ps(any, m_old, mx));
+        // acc = acc * alpha + P.V, DC dims at a time (DC register accumulators)
+        float* at = At + gi * group_floats;
+        for (int d0 = 0; d0 < D; d0 += DC) {
+          __m512 a[DC];
+          for (int k = 0; k < DC; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(at + (d0 + k) * L), alpha);
+          for (int j = 0; j < jmax; ++j) {
+            const __m512 pv = _mm512_loadu_ps(S + j * L);
+            const float* v = vrow[j] + d0;
+            for (int k = 0; k < DC; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[k]), pv, a[k]);
+          }
+          for (int k = 0; k < DC; ++k) _mm512_storeu_ps(at + (d0 + k) * L, a[k]);
+        }
+      }
+    }
+  }
+  for (int hi = 0; hi < nh; ++hi) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t gi = hi * groups + r / L, i = r % L, row = static_cast<int64_t>(hi) * R + r;
+      const float* at = At + gi * group_floats + i;
+      float* acc = acc_all + row * D;
+      for (int d = 0; d < D; ++d) acc[d] = at[d * L];
+      m_all[row] = Mv[gi * L + i];
+      l_all[row] = Lv[gi * L + i];
+    }
   }
 }
 #endif
@@ -434,7 +602,10 @@ void attend_heads(const Params& p, int b, int h0, int nh, const float* Q, const 
                   float* acc, float* m, float* l, float* scratch) {
 #if defined(KVBUS_AVX512)
   if constexpr (D == 64 || D == 128) {
-    attend_wide<KV, D>(p, b, h0, nh, Q, limits, R, k0, k1, acc, m, l, scratch);
+    if (R >= LANES)
+      attend_lanes<KV, D>(p, b, h0, nh, Q, limits, R, k0, k1, acc, m, l, scratch);
+    else
+      attend_wide<KV, D>(p, b, h0, nh, Q, limits, R, k0, k1, acc, m, l, scratch);
     return;
   }
 #endif
@@ -527,6 +698,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int G = p.group;
   const int max_rows = BLOCK_M * G * heads_per_group;
   const int64_t row_floats = static_cast<int64_t>(max_rows) * head_dim;
+  // the tile scratch of either path: the row path's 3 x 32 x D + R x 32; the lanes path's
+  // 2 x 32 x D + 32 x 16 + D, then Q and acc transposed (2 x D per padded row), m and l, limits
+  const int64_t padded_rows = static_cast<int64_t>(heads_per_group) * ((BLOCK_M * G + 15) / 16 * 16);
+  const int64_t scratch_floats = std::max<int64_t>(3 * 32 * head_dim + max_rows * 32,
+                                                   2 * 32 * head_dim + 32 * 16 + head_dim + padded_rows * (2 * head_dim + 3)) + 64;
   // partials: per split task, R rows of (acc[D], m, l)
   std::vector<float> partial(static_cast<size_t>(num_partials) * max_rows * (head_dim + 2));
   const Q_T* qp = q.data_ptr<Q_T>();
@@ -537,8 +713,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    // Q, acc, m, l, limits, then the tile scratch of either path (the wide one: 3 x 32 x D + R x 32)
-    std::vector<float> buf(row_floats * 2 + max_rows * (2 + BLOCK_M) + 3 * 32 * head_dim + max_rows * 32 + 64);
+    // Q, acc, m, l, limits, then the tile scratch
+    std::vector<float> buf(row_floats * 2 + max_rows * (2 + BLOCK_M) + scratch_floats);
     float* Q = buf.data();
     float* acc = Q + row_floats;
     float* m = acc + row_floats;

@@ -140,3 +140,24 @@ def test_bad_inputs_are_value_errors():
     with pytest.raises(ValueError, match="new tokens but seq_len"):
         paged_prefill_attention_cpu(torch.zeros(10, 2, 16), case.k_cache, case.v_cache, case.block_tables,
                                     torch.tensor([0, 10], dtype=torch.int32), case.seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("head_dim,group,dtype", [(64, 3, torch.float32), (128, 4, torch.float32),
+                                                  (64, 3, torch.bfloat16), (64, 3, FP8)])
+def test_row_result_does_not_depend_on_its_task(head_dim, group, dtype):
+    # A query row gives the same bits whether it is computed in a whole-prompt prefill (blocks of
+    # many rows), an extend after a cached prefix of any length (its block starts elsewhere and
+    # holds fewer rows) or as a decode (one token): the engine relies on this for a prompt's last
+    # token to give the same logits with and without prefix-cache hits.
+    n = 150
+    case = make_paged([n], 16, 2, head_dim, dtype, "head" if dtype == FP8 else None, seed=11)
+    q = _q(n, 2 * group, head_dim, dtype, seed=12)
+    args = (case.k_cache, case.v_cache, case.block_tables)
+    full = paged_prefill_attention_cpu(q, *args, torch.tensor([0, n], dtype=torch.int32), case.seq_lens, 0.125,
+                                       case.k_scale, case.v_scale)
+    for new in (1, 2, 5, 6, 11, 33, 70, 149):
+        cu = torch.tensor([0, new], dtype=torch.int32)
+        part = paged_prefill_attention_cpu(q[n - new:], *args, cu, case.seq_lens, 0.125, case.k_scale, case.v_scale)
+        assert torch.equal(part, full[n - new:]), new
+    last = paged_decode_attention_cpu(q[n - 1:], *args, case.seq_lens, 0.125, case.k_scale, case.v_scale)
+    assert torch.equal(last, full[n - 1:])
