@@ -21,6 +21,7 @@ import shutil
 import shlex
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -104,14 +105,36 @@ def choose_layout(args: argparse.Namespace, num_cores: int) -> tuple[str, str]:
                           "beats prefill and decode engines dividing them (--layout disaggregated to override)")
 
 
-def split_cores(cores: list[int], engines: list[str], share: bool) -> dict[str, tuple[frozenset[int] | None, int]]:
+CORE_SHARING = ("auto", "split", "share", "lease")
+LEASE_BELOW_CORES_PER_ENGINE = 4
+"""--core-sharing auto takes turns (a core lease) when a split would leave an engine fewer cores."""
+
+
+def core_sharing(requested: str, cores: list[int], engines: list[str]) -> str:
+    """How several engines on one host use its cores: ``split`` (disjoint slices), ``share`` (all
+    cores each, at the same time) or ``lease`` (all cores each, one step at a time:
+    services/engine/core_lease.py). ``auto``: lease when a split would give an engine fewer than
+    LEASE_BELOW_CORES_PER_ENGINE cores, else split."""
+    if requested not in CORE_SHARING:
+        raise ValueError(f"core sharing {requested!r}: expected one of {', '.join(CORE_SHARING)}")
+    if requested != "auto":
+        return requested
+    if len(engines) > 1 and len(cores) // len(engines) < LEASE_BELOW_CORES_PER_ENGINE:
+        return "lease"
+    return "split"
+
+
+def split_cores(cores: list[int], engines: list[str], policy: str) -> dict[str, tuple[frozenset[int] | None, int]]:
     """Each engine worker's (CPU set, torch threads). One engine: every core. Several on one host:
-    disjoint contiguous slices (decode workers take the remainder), so their OpenMP pools never
-    fight over a core; with ``share`` or fewer cores than engines, all share every core with
-    ``cores // engines`` threads each."""
+    ``split``: disjoint contiguous slices (decode workers take the remainder), so their OpenMP
+    pools never fight over a core; ``share`` (or fewer cores than engines with ``split``): all
+    share every core with ``cores // engines`` threads each; ``lease``: every engine gets every
+    core and the engines take turns stepping."""
     if len(engines) <= 1:
         return {e: (None, 0) for e in engines}
-    if share or len(cores) < len(engines):
+    if policy == "lease":
+        return {e: (None, len(cores)) for e in engines}
+    if policy == "share" or len(cores) < len(engines):
         threads = max(1, len(cores) // len(engines))
         return {e: (None, threads) for e in engines}
     base, extra = divmod(len(cores), len(engines))
@@ -122,6 +145,11 @@ def split_cores(cores: list[int], engines: list[str], share: bool) -> dict[str, 
         out[engine] = (frozenset(cores[start:start + size]), size)
         start += size
     return out
+
+
+def lease_path() -> str:
+    """The core-lease file of this `kvbus up` (made by the engines, removed when it stops)."""
+    return os.path.join(tempfile.gettempdir(), f"kvbus-cores-{os.getpid()}.lease")
 
 
 METERED_ROLES = ("kv_store", "worker", "prefill", "decode")
@@ -311,7 +339,12 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
         if getattr(args, "speculative", None) and args.draft_placement == "remote":
             roles["draft"] = ["draft-0"]
     engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
-    placement = split_cores(usable_cores(), engines, args.share_cores)
+    cores = usable_cores()
+    sharing = core_sharing("share" if getattr(args, "share_cores", False) else getattr(args, "core_sharing", "auto"),
+                           cores, engines)
+    args.core_sharing_used = sharing
+    placement = split_cores(cores, engines, sharing)
+    slots = {wid: i for i, wid in enumerate(engines)}
     metered = [wid for role in METERED_ROLES for wid in roles.get(role, [])]
     ports = metrics_ports(metered, getattr(args, "metrics_port", -1),
                           {p for p in (getattr(args, "http_port", 0), _port_of(nats_url)) if p})
@@ -328,6 +361,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                 cpus, threads = placement[wid]
                 argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
                          "--num-threads", str(args.num_threads or threads), *shlex.split(args.engine_args)]
+                if sharing == "lease" and len(engines) > 1:
+                    argv += ["--core-lease", f"{lease_path()}:{slots[wid]}"]
                 if role != "worker":
                     argv += ["--kv-transfer", args.kv_transfer]
                 if getattr(args, "speculative", None) and role != "prefill":
@@ -406,6 +441,9 @@ async def up(args: argparse.Namespace) -> int:
             return 1
         roles, children = plan(args, nats_url, model_dir)
         say(f"layout: {args.layout} ({args.layout_why})")
+        engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
+        if len(engines) > 1:
+            say(f"engines on this host: core sharing {args.core_sharing_used}")
         for child in children:
             if child.cpus:
                 say(f"{child.name}: cores {','.join(map(str, sorted(child.cpus)))}")
@@ -456,6 +494,8 @@ async def up(args: argparse.Namespace) -> int:
     finally:
         say("stopping services" + (", then nats-server" if nats_child else ""))
         await supervisor.stop_all(last=nats_child)
+        with contextlib.suppress(OSError):
+            os.unlink(lease_path())
         say("stopped")
 
 
@@ -472,8 +512,12 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--prefill", type=int, default=None, help="prefill workers (implies disaggregated; default 1)")
     parser.add_argument("--decode", type=int, default=None, help="decode workers (implies disaggregated; default 1)")
     parser.add_argument("--aggregated", action="store_true", help="same as --layout aggregated")
-    parser.add_argument("--share-cores", action="store_true",
-                        help="engine workers on one host share every core instead of disjoint slices")
+    parser.add_argument("--core-sharing", choices=CORE_SHARING, default="auto",
+                        help="several engine workers on one host: split (disjoint core slices), share (every "
+                             "core each, stepping at once), lease (every core each, taking turns); auto: lease "
+                             f"when a split would give an engine fewer than {LEASE_BELOW_CORES_PER_ENGINE} cores, "
+                             "else split")
+    parser.add_argument("--share-cores", action="store_true", help="same as --core-sharing share")
     parser.add_argument("--workers", type=int, default=1, help="aggregated workers (with --aggregated)")
     parser.add_argument("--tokenizer-only", action="store_true", help="start only the tokenizer service")
     parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "nats"])

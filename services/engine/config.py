@@ -71,6 +71,9 @@ class EngineConfig:
     num_threads: int = 0
     """CPU threads for torch; 0 uses every core."""
 
+    core_lease: str = ""
+    """PATH:SLOT of a lease file shared with the other engines of this host: steps take turns, each with every core (kvbus up sets it on small hosts; "" off)."""
+
     seed: int = 0
     """Seed of the RNG used by requests that bring no seed of their own."""
 
@@ -120,6 +123,13 @@ class EngineConfig:
             bad("chunked_prefill_size", "must be >= 0 (0 = no chunking)")
         if self.num_threads < 0:
             bad("num_threads", "must be >= 0")
+        if self.core_lease:
+            from services.engine.core_lease import parse_spec
+
+            try:
+                parse_spec(self.core_lease)
+            except ValueError as e:
+                bad("core_lease", str(e))
         if self.speculative_method not in (None, "ngram", "model"):
             bad("speculative_method", "must be ngram or model (or unset)")
         if not 1 <= self.num_speculative_tokens <= 16:

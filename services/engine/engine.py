@@ -35,6 +35,7 @@ from services.config import ConfigError
 from services.engine.async_api import AsyncEngineMixin
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.core_lease import CoreLease
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.linear import can_prepack, prepack_weights
@@ -59,6 +60,8 @@ class LLMEngine(AsyncEngineMixin):
         self.config = config = config or EngineConfig()
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)) or 1)
+        # the engine thread holds it around each step (engine_thread.py)
+        self.core_lease = CoreLease(config.core_lease) if config.core_lease else None
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         from services.models import resolve_model

@@ -80,8 +80,13 @@ class EngineThread:
                 self.work.wait()
                 self.work.clear()
                 continue
+            lease = getattr(engine, "core_lease", None)  # engines sharing this host's cores take turns (core_lease.py)
             try:
-                outputs, error = engine.step(), None
+                if lease is None:
+                    outputs, error = engine.step(), None
+                else:
+                    with lease:
+                        outputs, error = engine.step(), None
             except Exception as exc:  # a bug in a step must not hang every stream
                 log.exception("engine step failed; failing every running request")
                 outputs, error = engine.fail_all(), RuntimeError(f"engine step failed: {exc!r}")

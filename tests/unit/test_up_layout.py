@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.up import DISAGG_MIN_CORES, choose_layout, split_cores
+from services.up import DISAGG_MIN_CORES, LEASE_BELOW_CORES_PER_ENGINE, choose_layout, core_sharing, plan, split_cores
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -30,16 +30,54 @@ def test_explicit_layout_wins_over_cores():
 
 
 def test_one_engine_takes_every_core():
-    assert split_cores([0, 1, 2, 3], ["worker-0"], share=False) == {"worker-0": (None, 0)}
+    assert split_cores([0, 1, 2, 3], ["worker-0"], "split") == {"worker-0": (None, 0)}
 
 
 def test_engines_get_disjoint_slices_decode_takes_the_rest():
-    got = split_cores(list(range(7)), ["prefill-0", "decode-0"], share=False)
+    got = split_cores(list(range(7)), ["prefill-0", "decode-0"], "split")
     assert got == {"prefill-0": (frozenset({0, 1, 2}), 3), "decode-0": (frozenset({3, 4, 5, 6}), 4)}
-    got = split_cores([4, 5], ["prefill-0", "decode-0"], share=False)  # the cores we may use, not 0..n
+    got = split_cores([4, 5], ["prefill-0", "decode-0"], "split")  # the cores we may use, not 0..n
     assert got == {"prefill-0": (frozenset({4}), 1), "decode-0": (frozenset({5}), 1)}
 
 
 def test_sharing_or_too_few_cores_divides_threads():
-    assert split_cores([0, 1, 2, 3], ["p", "d"], share=True) == {"p": (None, 2), "d": (None, 2)}
-    assert split_cores([0, 1], ["p0", "p1", "d"], share=False) == {"p0": (None, 1), "p1": (None, 1), "d": (None, 1)}
+    assert split_cores([0, 1, 2, 3], ["p", "d"], "share") == {"p": (None, 2), "d": (None, 2)}
+    assert split_cores([0, 1], ["p0", "p1", "d"], "split") == {"p0": (None, 1), "p1": (None, 1), "d": (None, 1)}
+
+
+def test_lease_gives_every_engine_every_core():
+    assert split_cores([0, 1], ["p", "d"], "lease") == {"p": (None, 2), "d": (None, 2)}
+
+
+def test_auto_sharing_leases_only_when_a_split_would_starve_an_engine():
+    small = list(range(2 * LEASE_BELOW_CORES_PER_ENGINE - 1))
+    big = list(range(2 * LEASE_BELOW_CORES_PER_ENGINE))
+    assert core_sharing("auto", small, ["p", "d"]) == "lease"
+    assert core_sharing("auto", big, ["p", "d"]) == "split"
+    assert core_sharing("auto", [0, 1], ["worker-0"]) == "split"  # one engine: nothing to share
+    assert core_sharing("share", [0, 1], ["p", "d"]) == "share"
+    with pytest.raises(ValueError, match="core sharing"):
+        core_sharing("turns", [0, 1], ["p", "d"])
+
+
+def _plan_args(**kw) -> argparse.Namespace:
+    base = dict(tokenizers=1, hicache=False, tokenizer_only=False, layout="disaggregated", workers=1, prefill=1,
+                decode=1, speculative=None, draft_placement="local", share_cores=False, core_sharing="lease",
+                drain_timeout=30.0, kv_cache_memory=0.5, dtype="auto", num_threads=0, engine_args="",
+                kv_transfer="auto", http_host="127.0.0.1", http_port=8000, api_key_file=None, metrics_port=-1,
+                metrics_host="127.0.0.1")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
+    _, children = plan(_plan_args(), "nats://127.0.0.1:4222", "/models/x")
+    specs = {}
+    for child in children:
+        if "--core-lease" in child.argv:
+            specs[child.name] = child.argv[child.argv.index("--core-lease") + 1]
+            assert child.cpus is None  # no pinning: every engine may use every core
+    assert set(specs) == {"prefill-0", "decode-0"}
+    paths = {s.rpartition(":")[0] for s in specs.values()}
+    assert len(paths) == 1 and sorted(s.rpartition(":")[2] for s in specs.values()) == ["0", "1"]
+    _, children = plan(_plan_args(core_sharing="split"), "nats://127.0.0.1:4222", "/models/x")
+    assert not any("--core-lease" in c.argv for c in children)
