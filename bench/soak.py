@@ -6,9 +6,10 @@
 The mix (seeded): streamed and whole completions over HTTP, streams the client cancels after a
 few chunks, and long prompts (300-400 words). The RSS of every process `kvbus up` started is
 sampled every ``--sample-every`` seconds; the table gives each service's RSS after warm-up
-(the first 10% of requests), at the end, and the growth (flat: under 5%), then throughput per
-tenth of the run (steady: no falling trend) and the outcomes by kind and status. Exits 1 when a
-service grew 5% or more, or any request failed with a status other than 200/429/503.
+(the first 10% of requests), at the end, and the growth (flat: under 5%), split into private
+memory (heap, tensors) and file-backed pages (shared libraries, mapped files); then throughput
+per tenth of the run (steady: no falling trend) and the outcomes by kind and status. Exits 1
+when a service grew 5% or more, or any request failed with a status other than 200/429/503.
 """
 
 from __future__ import annotations
@@ -57,14 +58,23 @@ async def one(http, kind: str, prompt: str, max_tokens: int) -> str:
 
 
 def rss_of(pids: dict[str, int]) -> dict[str, int]:
-    import psutil
-
+    """Resident bytes per service: ``name`` -> RSS, ``name:file`` -> the file-backed part of it
+    (shared libraries' code and data, mapped files: pages the kernel can drop and read again),
+    ``name:anon`` -> the private rest (heap, tensors: what a leak grows)."""
     out = {}
     for name, pid in pids.items():
+        fields = {}
         try:
-            out[name] = psutil.Process(pid).memory_info().rss
-        except psutil.Error:
-            out[name] = 0
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                        key, value = line.split(":", 1)
+                        fields[key] = int(value.split()[0]) * 1024
+        except OSError:
+            pass
+        out[name] = fields.get("VmRSS", 0)
+        out[name + ":file"] = fields.get("RssFile", 0) + fields.get("RssShmem", 0)
+        out[name + ":anon"] = fields.get("RssAnon", 0)
     return out
 
 
@@ -123,8 +133,10 @@ async def soak(system, args) -> int:
     for name in sorted(pids):
         growth = (end[name] - after_warmup[name]) / max(after_warmup[name], 1) * 100
         grew |= growth >= 5.0
-        rows.append([name, f"{after_warmup[name] / 2**20:.0f}", f"{end[name] / 2**20:.0f}", f"{growth:+.1f}%"])
-    print(table(rows, ["service", f"RSS MiB after {warm} requests", "RSS MiB at the end", "growth"]))
+        parts = [f"{(end[f'{name}:{k}'] - after_warmup[f'{name}:{k}']) / 2**20:+.0f}" for k in ("anon", "file")]
+        rows.append([name, f"{after_warmup[name] / 2**20:.0f}", f"{end[name] / 2**20:.0f}", f"{growth:+.1f}%", *parts])
+    print(table(rows, ["service", f"RSS MiB after {warm} requests", "RSS MiB at the end", "growth",
+                       "of it private MiB", "of it file-backed MiB"]))
     # the path, to tell a plateau (a high-water mark reached) from a steady climb (a leak)
     marks = [warm * k for k in range(1, 11)]
     path = [next((rss for n, rss in samples if n >= m), end) for m in marks]
