@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
 
 import torch
 
@@ -35,6 +35,8 @@ class AsyncEngineMixin:
     def _init_async(self) -> None:
         self._queues = {}
         self._thread = None
+        # set by the engine thread: hands outputs to the event loop now (True) or declines (False)
+        self.post_outputs: Callable[[list], bool] | None = None
 
     @classmethod
     async def create(cls, *args, **kwargs):
@@ -51,6 +53,7 @@ class AsyncEngineMixin:
     def _adopt(self, thread: EngineThread) -> None:
         thread.engine = self
         self._thread = thread
+        self.post_outputs = thread.post
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None

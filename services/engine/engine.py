@@ -293,6 +293,10 @@ class LLMEngine(AsyncEngineMixin):
             self._claim_sync()
         t0 = time.perf_counter()
         outputs = self._drain_mailbox()
+        if outputs and self.post_outputs is not None and self.post_outputs(outputs):
+            # first tokens of prefills done elsewhere (1P1D) and aborts reach their streams now,
+            # not after this step's forward pass (one decode step less of TTFT)
+            outputs = []
         if self.drafter is not None:
             self._draft()
         self.block_manager.tier_tick()  # lower cache tiers: reclaim landed copies, start new ones

@@ -53,6 +53,19 @@ class EngineThread:
     async def run(self, fn: Callable):
         return await asyncio.wrap_future(self.submit(fn))
 
+    def post(self, outputs: list) -> bool:
+        """From a step in progress: hand ``outputs`` to the event loop now, before the step's
+        forward pass (the first token of a request whose prefill ran elsewhere). False when no
+        loop listens (the step then returns them)."""
+        loop, engine = self.loop, self.engine
+        if not self.is_current() or loop is None or engine is None or loop.is_closed():
+            return False
+        try:
+            loop.call_soon_threadsafe(engine.deliver, outputs, None)
+        except RuntimeError:  # closed meanwhile
+            return False
+        return True
+
     def stop(self) -> None:
         """Ask the thread to end after the job or step in progress (join with :meth:`join`)."""
         self._stopping = True

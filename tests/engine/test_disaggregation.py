@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -126,6 +127,37 @@ def test_async_prefill_and_generate_prefilled(engine, prompt_ids):
     assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
     assert outs[0].logprobs == [result.first_logprob] == ref.logprobs[:1]
     assert all(len(o.logprobs) == 1 for o in outs)
+
+
+def test_first_token_of_an_import_streams_before_the_forward_pass(engine, prompt_ids, monkeypatch):
+    # 1P1D: a decode engine's first output is the token the prefill worker sampled; it must reach
+    # the stream at once, not after the step's forward pass (which computes the second token)
+    prompt = prompt_ids[2]
+    result = prefill_sync(engine, "early-pre", prompt)
+    engine.block_manager.evict_all_cached()
+    gate, released = threading.Event(), []
+    run = engine.runner.run
+
+    def gated(batch):  # the forward pass waits until the test saw the first output (or 60 s)
+        released.append(gate.wait(60))
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", gated)
+
+    async def main():
+        outs = []
+        async for out in engine.generate_prefilled(prompt, result.first_token_id, result.kv, GREEDY,
+                                                   num_cached_tokens=result.num_cached_tokens,
+                                                   kv_scales=result.kv_scales):
+            outs.append(out)
+            gate.set()
+        return outs
+
+    outs = asyncio.run(main())
+    assert released[0] is True  # the first output arrived while the first forward pass waited
+    assert outs[0].new_token_ids == [result.first_token_id]
+    assert sum(len(o.new_token_ids) for o in outs) == MAX_NEW_TOKENS
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.slow
