@@ -108,6 +108,7 @@ def choose_layout(args: argparse.Namespace, num_cores: int) -> tuple[str, str]:
 CORE_SHARING = ("auto", "split", "share", "lease")
 LEASE_BELOW_CORES_PER_ENGINE = 4
 """--core-sharing auto takes turns (a core lease) when a split would leave an engine fewer cores."""
+LEASE_SLOTS = 64  # services/engine/core_lease.py SLOTS
 
 
 def core_sharing(requested: str, cores: list[int], engines: list[str]) -> str:
@@ -147,9 +148,15 @@ def split_cores(cores: list[int], engines: list[str], policy: str) -> dict[str, 
     return out
 
 
-def lease_path() -> str:
-    """The core-lease file of this `kvbus up` (made by the engines, removed when it stops)."""
-    return os.path.join(tempfile.gettempdir(), f"kvbus-cores-{os.getpid()}.lease")
+def make_lease_file() -> str:
+    """A new core-lease file, owner-only, with a name nobody could have prepared (``mkstemp``);
+    `kvbus up` removes it when it stops."""
+    fd, path = tempfile.mkstemp(prefix="kvbus-cores-", suffix=".lease")
+    try:
+        os.ftruncate(fd, 2 * LEASE_SLOTS)
+    finally:
+        os.close(fd)
+    return path
 
 
 METERED_ROLES = ("kv_store", "worker", "prefill", "decode")
@@ -362,7 +369,7 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                 argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
                          "--num-threads", str(args.num_threads or threads), *shlex.split(args.engine_args)]
                 if sharing == "lease" and len(engines) > 1:
-                    argv += ["--core-lease", f"{lease_path()}:{slots[wid]}"]
+                    argv += ["--core-lease", f"{args.core_lease_file}:{slots[wid]}"]
                 if role != "worker":
                     argv += ["--kv-transfer", args.kv_transfer]
                 if getattr(args, "speculative", None) and role != "prefill":
@@ -399,6 +406,7 @@ async def up(args: argparse.Namespace) -> int:
     from services.models import ModelError, resolve_model
 
     supervisor = Supervisor(quiet=args.quiet, stop_timeout=args.drain_timeout + 10.0)
+    lease_file: str | None = None
     nats_child: Child | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -439,6 +447,7 @@ async def up(args: argparse.Namespace) -> int:
         elif port_is_taken(args.http_port) and not args.tokenizer_only:
             say(f"error: HTTP port {args.http_port} is taken; pass --http-port 0 for a free one")
             return 1
+        args.core_lease_file = lease_file = make_lease_file()
         roles, children = plan(args, nats_url, model_dir)
         say(f"layout: {args.layout} ({args.layout_why})")
         engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
@@ -494,8 +503,9 @@ async def up(args: argparse.Namespace) -> int:
     finally:
         say("stopping services" + (", then nats-server" if nats_child else ""))
         await supervisor.stop_all(last=nats_child)
-        with contextlib.suppress(OSError):
-            os.unlink(lease_path())
+        if lease_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lease_file)
         say("stopped")
 
 

@@ -8,7 +8,7 @@ the others wait: a prefill chunk runs at the whole machine's rate, decode steps 
 chunks, and no two OpenMP pools ever compete.
 
 The lease is an exclusive ``flock`` on a file every engine of the host opens (``kvbus up`` makes
-it and passes ``--core-lease PATH:SLOT``). The kernel drops a dead process's lock, so a killed
+it per run and passes ``--core-lease PATH:SLOT``). The kernel drops a dead process's lock, so a killed
 engine never leaves the others waiting. ``flock`` wakes a waiter but does not queue it: an
 engine that releases and steps again at once would take the lock back first. So a release hands
 off: each engine marks itself waiting in a small shared map (a byte per slot, with a count of its
@@ -46,7 +46,8 @@ class CoreLease:
         path, self.slot = parse_spec(spec)
         self.path = path
         self.handoff_timeout = handoff_timeout
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # kvbus up makes the file (mkstemp: owner-only, an unguessable name); never follow a link
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             if os.fstat(self._fd).st_size < 2 * SLOTS:
                 os.ftruncate(self._fd, 2 * SLOTS)  # every opener truncates to the same size: no race

@@ -65,7 +65,7 @@ def _plan_args(**kw) -> argparse.Namespace:
                 decode=1, speculative=None, draft_placement="local", share_cores=False, core_sharing="lease",
                 drain_timeout=30.0, kv_cache_memory=0.5, dtype="auto", num_threads=0, engine_args="",
                 kv_transfer="auto", http_host="127.0.0.1", http_port=8000, api_key_file=None, metrics_port=-1,
-                metrics_host="127.0.0.1")
+                metrics_host="127.0.0.1", core_lease_file="/tmp/kvbus-cores-test.lease")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -78,6 +78,6 @@ def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
             assert child.cpus is None  # no pinning: every engine may use every core
     assert set(specs) == {"prefill-0", "decode-0"}
     paths = {s.rpartition(":")[0] for s in specs.values()}
-    assert len(paths) == 1 and sorted(s.rpartition(":")[2] for s in specs.values()) == ["0", "1"]
+    assert paths == {"/tmp/kvbus-cores-test.lease"} and sorted(s.rpartition(":")[2] for s in specs.values()) == ["0", "1"]
     _, children = plan(_plan_args(core_sharing="split"), "nats://127.0.0.1:4222", "/models/x")
     assert not any("--core-lease" in c.argv for c in children)
