@@ -54,14 +54,20 @@ KERNEL_CACHE_CAPACITY = 64
 
 
 def bound_kernel_cache(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
-    """Bound oneDNN's primitive cache unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``.
+    """Bound oneDNN's primitive cache and ideep's computation cache, each unless the user set it
+    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
 
-    oneDNN keeps one JIT-compiled kernel per projection shape, and a prefill's row count is part
-    of the shape, so a server that sees many prompt lengths fills the default 1,024 entries
-    (~0.2-0.3 MB each): the worker's RSS grew 12% over the 2,000-request soak. Decode steps
-    never use oneDNN (the packed kernel serves them) and a step uses about five shapes, so 64
-    entries keep every shape a run repeats (chunked prefill) while bounding the cache to ~20 MB.
-    Read by oneDNN when it creates its first primitive: call before the model runs. Process-wide,
-    so only process entry points call it (``kvbus serve``).
+    A prefill's row count is part of every projection's shape, so a server that sees many prompt
+    lengths keeps making new kernels. Two caches keep them, each 1,024 entries by default:
+    oneDNN's primitive cache (one JIT-compiled kernel per shape, ~0.2-0.3 MB: the worker's RSS
+    grew 12% over the 2,000-request soak) and, above it, ideep's LRU cache of prepared
+    computations for torch's prepacked linear (``mkldnn::_linear_pointwise``), which holds far more
+    per entry: 120 prompt lengths through the default model's four projection shapes took +700 MB
+    of private memory with it at 1,024, whatever oneDNN's bound, +324 MB at 64 and +136 MB at 16
+    (tests/unit/test_host_memory.py). Decode steps never use oneDNN (the packed kernel serves
+    them) and a step uses about five shapes, so 64 entries keep every shape a run repeats (chunked
+    prefill). Read when the first primitive is made: call before the model runs. Process-wide, so
+    only process entry points call it (``kvbus serve``).
     """
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

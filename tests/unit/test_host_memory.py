@@ -83,3 +83,36 @@ def test_bound_kernel_cache_bounds_onednn_primitive_cache():
     assert _creations("default") == ["miss", "miss", "miss", "hit"]
     assert _creations("bound") == ["miss", "miss", "miss", "miss"]
     assert _creations("user") == ["miss", "miss", "miss", "hit"]
+
+
+# In a fresh process: one prepacked projection (the default model's gate_up shape) run at 56 row
+# counts, as a prefill sees prompt lengths. ideep's LRU cache keeps a prepared computation per
+# row count (1,024 by default); bound_kernel_cache bounds it too. Prints private memory growth (KiB).
+LRU_SCRIPT = """
+import sys, torch
+if sys.argv[1] == "bound":
+    from services.engine.host_memory import bound_kernel_cache
+    bound_kernel_cache(8)
+from services.engine.linear import prepack
+def anon_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1])
+w = prepack(torch.randn(1536, 576), 16)
+x = torch.randn(520, 576)
+torch.ops.mkldnn._linear_pointwise(x[:512], w, None, "none", [], "")
+before = anon_kib()
+for m in range(64, 512, 8):
+    torch.ops.mkldnn._linear_pointwise(x[:m], w, None, "none", [], "")
+print(anon_kib() - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="oneDNN CPU build")
+def test_bound_kernel_cache_bounds_ideep_computation_cache():
+    def growth(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", LRU_SCRIPT, mode], cwd=ROOT, capture_output=True, text=True,
+                             check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        return int(out.stdout.strip().splitlines()[-1])
+
+    default, bound = growth("default"), growth("bound")
+    assert default > 60_000, default  # ~95 MB: one prepared computation kept per row count
+    assert bound < default / 2, (bound, default)  # ~32 MB
