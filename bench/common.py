@@ -33,3 +33,20 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def read_bandwidth(reps: int = 5) -> float:
+    """Bytes per second of a 1 GiB sum on every core (best of ``reps``): the read bandwidth the
+    decode-step floors are measured against."""
+    import time
+
+    import torch
+
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best

@@ -17,20 +17,9 @@ import time
 
 import torch
 
-from bench.common import machine, table
+from bench.common import machine, read_bandwidth, table
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in]
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a 1 GiB sum on every core (best of 3)."""
-    x = torch.ones(1 << 28)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
 
 
 def main() -> None:
@@ -47,7 +36,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [pack_columns(torch.randn(n, k, generator=g)) for n, k in SHAPES]
     nbytes = sum(n * k * 4 for n, k in SHAPES)
-    bw = read_bandwidth()
+    bw = read_bandwidth(reps=3)
     floor = nbytes / bw
     print(machine())
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {nbytes / 1e6:.0f} MB; floor {floor * 1e3:.1f} ms")

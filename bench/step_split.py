@@ -21,24 +21,13 @@ import subprocess
 import sys
 import time
 
+from bench.common import read_bandwidth
+
 CASES = [(1, 128), (8, 256), (4, 3000)]
 WEIGHT_OPS = ("packed_gemm", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear")
 NATIVE_ATTENTION = "kvbus_cpu::paged_attention"
 ATTENTION_OPS = ("aten::index_select", "aten::masked_fill_", "aten::bmm", "aten::_softmax",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::copy_")
-
-
-def read_bandwidth() -> float:
-    import torch
-
-    x = torch.ones(256 * 1024 * 1024)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
 
 
 def measure(steps: int) -> dict:
