@@ -145,14 +145,17 @@ template <typename KV, int D>
 struct TileWalk {
   const Params& p;
   const int32_t* table;
-  int k1, h0, nh, page_idx, slot;
+  int k1, h0, nh, page_idx, slot, n = 0;
+  int64_t kbase[TILE_WIDE], vbase[TILE_WIDE];  // the current tile's K / V row offsets (head 0)
+  const float* krow[TILE_WIDE];                // its rows of the head last given to rows()
+  const float* vrow[TILE_WIDE];
   TileWalk(const Params& p_, int b, int k0, int k1_, int h0_, int nh_)
       : p(p_), table(p_.block_tables + static_cast<int64_t>(b) * p_.bt_stride), k1(k1_), h0(h0_), nh(nh_),
         page_idx(k0 / p_.page_size), slot(k0 % p_.page_size) {}
 
-  // Fills the element offsets of the tile starting at t0 (head 0); returns its token count.
-  int next(int t0, int64_t* kbase, int64_t* vbase) {
-    const int n = std::min(TILE_WIDE, k1 - t0);
+  // Moves to the tile starting at t0: its tokens' element offsets (head 0); returns its token count.
+  int next(int t0) {
+    n = std::min(TILE_WIDE, k1 - t0);
     for (int j = 0; j < n; ++j) {
       const int64_t page = table[page_idx];
       kbase[j] = page * p.k_stride_page + slot * p.k_stride_tok;
@@ -161,6 +164,23 @@ struct TileWalk {
     }
     prefetch(t0 + n);
     return n;
+  }
+
+  // The current tile's K and V rows of head h as float, into krow / vrow: in place for an fp32
+  // cache, else converted into K / V ([TILE_WIDE, D] scratch).
+  void rows(int h, float* K, float* V) {
+    const KV* kc = reinterpret_cast<const KV*>(p.k_base);
+    const KV* vc = reinterpret_cast<const KV*>(p.v_base);
+    for (int j = 0; j < n; ++j) {
+      const KV* ks = kc + kbase[j] + h * p.k_stride_head;
+      const KV* vs = vc + vbase[j] + h * p.v_stride_head;
+      if constexpr (std::is_same_v<KV, float>) {
+        krow[j] = ks, vrow[j] = vs;
+      } else {
+        load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
+        krow[j] = K + j * D, vrow[j] = V + j * D;
+      }
+    }
   }
 
   // Prefetches the tile starting at token tok (T1: into L2) for heads h0 .. h0 + nh - 1.
@@ -186,25 +206,6 @@ struct TileWalk {
   }
 };
 
-// The K and V rows of head h for the tile's n tokens as float: in place for an fp32 cache, else
-// converted into K / V ([TILE_WIDE, D] scratch).
-template <typename KV, int D>
-inline void tile_rows(const Params& p, int h, int n, const int64_t* kbase, const int64_t* vbase, float* K, float* V,
-                      const float** krow, const float** vrow) {
-  const KV* kc = reinterpret_cast<const KV*>(p.k_base);
-  const KV* vc = reinterpret_cast<const KV*>(p.v_base);
-  for (int j = 0; j < n; ++j) {
-    const KV* ks = kc + kbase[j] + h * p.k_stride_head;
-    const KV* vs = vc + vbase[j] + h * p.v_stride_head;
-    if constexpr (std::is_same_v<KV, float>) {
-      krow[j] = ks, vrow[j] = vs;
-    } else {
-      load_row(ks, K + j * D, D), load_row(vs, V + j * D, D);
-      krow[j] = K + j * D, vrow[j] = V + j * D;
-    }
-  }
-}
-
 template <typename KV, int D>
 void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, const int* limits, int R, int k0,
                  int k1, float* acc_all, float* m_all, float* l_all, float* scratch) {
@@ -220,25 +221,22 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
   std::fill(acc_all, acc_all + static_cast<int64_t>(nh) * R * D, 0.f);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   TileWalk<KV, D> walk(p, b, k0, k1, h0, nh);
-  int64_t kbase[TN], vbase[TN];
-  const float* krow[TN];
-  const float* vrow[TN];
   for (int t0 = k0; t0 < k1; t0 += TN) {
-    const int n = walk.next(t0, kbase, vbase);
+    const int n = walk.next(t0);
     for (int hi = 0; hi < nh; ++hi) {
     const int h = h0 + hi;
     const float* Q = Q_all + static_cast<int64_t>(hi) * R * D;
     float* acc = acc_all + static_cast<int64_t>(hi) * R * D;
     float* m = m_all + hi * R;
     float* l = l_all + hi * R;
-    tile_rows<KV, D>(p, h, n, kbase, vbase, K, V, krow, vrow);
+    walk.rows(h, K, V);
     // Kt [D, TN] by 16 x 16 blocks transposed in registers (a scalar gather cost more than the
     // whole QK for decode's few rows)
     for (int jb = 0; jb < TN; jb += 16) {
       for (int d0 = 0; d0 < D; d0 += 16) {
         __m512 blk[16];
         for (int j = 0; j < 16; ++j)
-          blk[j] = jb + j < n ? _mm512_loadu_ps(krow[jb + j] + d0) : _mm512_setzero_ps();
+          blk[j] = jb + j < n ? _mm512_loadu_ps(walk.krow[jb + j] + d0) : _mm512_setzero_ps();
         transpose16(blk);
         for (int i = 0; i < 16; ++i) _mm512_storeu_ps(Kt + (d0 + i) * TN + jb, blk[i]);
       }
@@ -313,7 +311,7 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
           for (int k = 0; k < ND; ++k) a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * k), al);
         }
         for (int j = 0; j < vmax; ++j) {
-          const float* v = vrow[j];
+          const float* v = walk.vrow[j];
           __m512 vv[ND];
           for (int k = 0; k < ND; ++k) vv[k] = _mm512_loadu_ps(v + 16 * k);
           for (int i = 0; i < RB; ++i) {
@@ -333,7 +331,7 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
           for (int k = 0; k < ND; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * k), al);
           for (int j = 0; j < vmax; ++j) {
             const __m512 w = _mm512_set1_ps(P[i][j]);
-            const float* v = vrow[j];
+            const float* v = walk.vrow[j];
             for (int k = 0; k < ND; ++k) a[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * k), a[k]);
           }
           for (int k = 0; k < ND; ++k) _mm512_storeu_ps(arow + 16 * k, a[k]);
@@ -386,13 +384,10 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
   std::fill(Lv, Lv + nh * groups * L, 0.f);
   const __m512 one = _mm512_set1_ps(1.f);
   TileWalk<KV, D> walk(p, b, k0, k1, h0, nh);
-  int64_t kbase[TN], vbase[TN];
-  const float* krow[TN];
-  const float* vrow[TN];
   for (int t0 = k0; t0 < k1; t0 += TN) {
-    const int n = walk.next(t0, kbase, vbase);
+    const int n = walk.next(t0);
     for (int hi = 0; hi < nh; ++hi) {
-      tile_rows<KV, D>(p, h0 + hi, n, kbase, vbase, K, V, krow, vrow);
+      walk.rows(h0 + hi, K, V);
       for (int g = 0; g < groups; ++g) {
         int jmax = 0;  // keys of this tile any lane of the group sees
         for (int i = 0; i < L; ++i) jmax = std::max(jmax, lim[g * L + i] - t0);
@@ -403,7 +398,7 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
         // S = Q.K^T, JC keys at a time (JC register accumulators, one fma per key and d)
         for (int j0 = 0; j0 < jmax; j0 += JC) {
           const float* kr[JC];
-          for (int jj = 0; jj < JC; ++jj) kr[jj] = j0 + jj < jmax ? krow[j0 + jj] : zero;
+          for (int jj = 0; jj < JC; ++jj) kr[jj] = j0 + jj < jmax ? walk.krow[j0 + jj] : zero;
           __m512 s[JC];
           for (int jj = 0; jj < JC; ++jj) s[jj] = _mm512_setzero_ps();
           for (int d = 0; d < D; ++d) {
@@ -447,7 +442,7 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
           for (int k = 0; k < DC; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(at + (d0 + k) * L), alpha);
           for (int j = 0; j < jmax; ++j) {
             const __m512 pv = _mm512_loadu_ps(S + j * L);
-            const float* v = vrow[j] + d0;
+            const float* v = walk.vrow[j] + d0;
             for (int k = 0; k < DC; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[k]), pv, a[k]);
           }
           for (int k = 0; k < DC; ++k) _mm512_storeu_ps(at + (d0 + k) * L, a[k]);
