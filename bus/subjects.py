@@ -28,10 +28,16 @@ from schemas.kv_store import (
     KVStoreAttachReply,
     KVStoreAttachRequest,
     KVStoreCommitEvent,
+    KVStoreFetchReply,
+    KVStoreFetchRequest,
     KVStoreLeaseReply,
     KVStoreLeaseRequest,
     KVStoreLookupReply,
     KVStoreLookupRequest,
+    KVStoreOfferReply,
+    KVStoreOfferRequest,
+    KVStorePutReply,
+    KVStorePutRequest,
     KVStoreTouchEvent,
 )
 from schemas.transfer import KVChunkEvent
@@ -278,6 +284,29 @@ KV_STORE_LOOKUP = Subject(
     KVStoreLookupRequest,
     KVStoreLookupReply,
     "The leading pages of a chain this host's L2 holds (L3 hits promoted first), with their slots.",
+    encoding=Encoding.MSGPACK,
+)
+
+# Engines on another host (no access to the arena) move page bytes through the transfer layer.
+KV_STORE_OFFER = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.offer",
+    KVStoreOfferRequest,
+    KVStoreOfferReply,
+    "A remote engine offers pages to write back; the reply names those the store lacks and where to send them.",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_PUT = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.put",
+    KVStorePutRequest,
+    KVStorePutReply,
+    "The offered pages were sent (transfer descriptor): the store checks and stores them.",
+    encoding=Encoding.MSGPACK,
+)
+KV_STORE_FETCH = Subject(
+    f"{PREFIX}.kv_store.{{host_id}}.fetch",
+    KVStoreFetchRequest,
+    KVStoreFetchReply,
+    "A remote engine's load-back: the leading pages the store holds are pushed to its receiver.",
     encoding=Encoding.MSGPACK,
 )
 

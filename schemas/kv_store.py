@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+from schemas.transfer import TransferDescriptor, TransferTarget
+
 KVTier = Literal["device", "host", "disk"]
 KVEventKind = Literal["stored", "removed"]
 
@@ -75,6 +77,57 @@ class KVStoreLookupReply(msgspec.Struct, frozen=True, kw_only=True):
     page_hashes: list[int]
     """The leading run of the requested hashes that L2 holds now."""
     slots: list[int]
+
+
+class KVStoreOfferRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine on another host offers pages to write back (the bytes follow by the transfer layer)."""
+
+    worker_id: str
+    layout_key: str
+    page_hashes: list[int]
+    parent_hashes: list[int]
+    token_ids: list[list[int]]
+    """Each page's tokens (the store verifies them on every later read, as for a local write)."""
+    sender_host_id: str
+
+
+class KVStoreOfferReply(msgspec.Struct, frozen=True, kw_only=True):
+    wanted: list[int]
+    """Indices into the offer of the pages the store lacks, in order; send only these."""
+    target: TransferTarget | None = None
+    """Where to push them (None when nothing is wanted)."""
+
+
+class KVStorePutRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The wanted pages of an offer were sent: ``[len(wanted), page_bytes]`` uint8."""
+
+    worker_id: str
+    transfer: TransferDescriptor
+
+
+class KVStorePutReply(msgspec.Struct, frozen=True, kw_only=True):
+    stored: int
+    """Pages stored (fewer when some were stored by another engine meanwhile or L2 had no room)."""
+
+
+class KVStoreFetchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine on another host asks for the leading pages of a chain that the store holds."""
+
+    worker_id: str
+    layout_key: str
+    page_hashes: list[int]
+    target: TransferTarget
+    """Where to push them (the engine's receiver, nats backend)."""
+    max_pages: int = 1024
+
+
+class KVStoreFetchReply(msgspec.Struct, frozen=True, kw_only=True):
+    page_hashes: list[int]
+    """The leading run of the requested pages found (L3 hits promoted first) and sent."""
+    parent_hashes: list[int]
+    token_ids: list[list[int]]
+    transfer: TransferDescriptor | None = None
+    """``[len(page_hashes), page_bytes]`` uint8; None when nothing was found."""
 
 
 class KVEvent(msgspec.Struct, frozen=True, kw_only=True):

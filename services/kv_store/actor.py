@@ -2,7 +2,9 @@
 
 One per host. It owns the shared-memory arena every engine on the host maps
 and answers metadata only: attach, leases of empty slots, commits, lookups.
-Page bytes never cross the bus on one host. It publishes ``stored``/``removed``
+Page bytes never cross the bus on one host; engines on other hosts offer,
+put and fetch pages by value through the transfer layer's nats backend
+(``services/kv_store/remote.py`` is their side). It publishes ``stored``/``removed``
 KV events for its tiers (``host``, ``disk``) and answers dumps for resync.
 """
 
@@ -10,14 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
+
+import numpy as np
+import torch
 
 from bus.errors import InvalidArgument, Unavailable
 from bus.subjects import (
     KV_EVENTS_DUMP,
     KV_STORE_ATTACH,
     KV_STORE_COMMIT,
+    KV_STORE_FETCH,
     KV_STORE_LEASE,
     KV_STORE_LOOKUP,
+    KV_STORE_OFFER,
+    KV_STORE_PUT,
     KV_STORE_TOUCH,
 )
 from schemas.kv_store import (
@@ -27,10 +37,16 @@ from schemas.kv_store import (
     KVStoreAttachReply,
     KVStoreAttachRequest,
     KVStoreCommitEvent,
+    KVStoreFetchReply,
+    KVStoreFetchRequest,
     KVStoreLeaseReply,
     KVStoreLeaseRequest,
     KVStoreLookupReply,
     KVStoreLookupRequest,
+    KVStoreOfferReply,
+    KVStoreOfferRequest,
+    KVStorePutReply,
+    KVStorePutRequest,
     KVStoreTouchEvent,
 )
 from services.actor import Actor
@@ -40,9 +56,13 @@ from services.kv_store.events import KVEventPublisher
 from services.kv_store.metrics import KVStoreMetrics
 from services.kv_store.store import StoreCore
 from services.metrics_http import start_metrics
+from services.transfer import KVReceiver, KVSender
 from services.workers.config import default_host_id
 
 log = logging.getLogger(__name__)
+
+MAX_REMOTE_PAGES = 1024
+"""Most pages one offer or fetch of a remote engine may name."""
 
 
 class KVStoreActor(Actor):
@@ -58,6 +78,10 @@ class KVStoreActor(Actor):
         self.core: StoreCore | None = None
         self.metrics = KVStoreMetrics(self)
         self.metrics_server = None  # GET /metrics when config.metrics_port
+        self.receiver: KVReceiver | None = None  # pages written back by engines on other hosts
+        self.sender: KVSender | None = None  # pages fetched by them
+        self._offers: dict[str, tuple[str, list[int], list[int], list[list[int]], float]] = {}
+        """transfer id -> (worker id, page hashes, parent hashes, token ids, offered at): puts awaited."""
 
     async def setup(self) -> None:
         self.events = KVEventPublisher(self.worker_id, self.host_id)
@@ -66,10 +90,13 @@ class KVStoreActor(Actor):
     def routes(self):
         host = {"host_id": self.host_id}
         return [(KV_STORE_ATTACH, self.handle_attach, host), (KV_STORE_LEASE, self.handle_lease, host),
-                (KV_STORE_LOOKUP, self.handle_lookup, host),
+                (KV_STORE_LOOKUP, self.handle_lookup, host), (KV_STORE_OFFER, self.handle_offer, host),
+                (KV_STORE_PUT, self.handle_put, host), (KV_STORE_FETCH, self.handle_fetch, host),
                 (KV_EVENTS_DUMP, self.handle_dump, {"worker_id": self.worker_id})]
 
     async def start(self, bus) -> None:
+        self.receiver = await KVReceiver.open(bus, self.worker_id, self.host_id, "nats")
+        self.sender = KVSender(bus, self.worker_id, self.host_id, backends=("nats",))
         await super().start(bus)
         await bus.subscribe(KV_STORE_COMMIT, self.handle_commit, host_id=self.host_id)
         await bus.subscribe(KV_STORE_TOUCH, self.handle_touch, host_id=self.host_id)
@@ -84,6 +111,11 @@ class KVStoreActor(Actor):
             self.metrics_server = None
         if self.events is not None:
             await self.events.close()
+        if self.receiver is not None:
+            await self.receiver.close()
+            await self.sender.close(grace=0)
+            self.receiver = self.sender = None
+        self._offers.clear()
         if self.core is not None:
             self.core.close()
 
@@ -118,6 +150,73 @@ class KVStoreActor(Actor):
         arena = self.core.arena
         return KVStoreLookupReply(arena_name=arena.name if arena else "", page_hashes=[h for h, _ in found],
                                   slots=[s for _, s in found])
+
+    # ---- engines on other hosts: pages by value through the transfer layer ----------------
+
+    def _check_layout(self, worker_id: str, layout_key: str) -> None:
+        if self.core.arena is None:
+            raise InvalidArgument("no engine attached yet: attach first")
+        if layout_key != self.core.layout_key:
+            raise InvalidArgument(f"kv_store holds pages of layout {self.core.layout_key!r}; "
+                                  f"engine {worker_id} has {layout_key!r}")
+
+    async def handle_offer(self, req: KVStoreOfferRequest) -> KVStoreOfferReply:
+        self._check_layout(req.worker_id, req.layout_key)
+        n = len(req.page_hashes)
+        page_size = self.core.arena.layout.page_size
+        if not (len(req.parent_hashes) == len(req.token_ids) == n) or n > MAX_REMOTE_PAGES:
+            raise InvalidArgument(f"an offer names up to {MAX_REMOTE_PAGES} pages, each with a parent hash and "
+                                  f"its token ids ({n} hashes, {len(req.parent_hashes)} parents, "
+                                  f"{len(req.token_ids)} token lists)")
+        if any(len(t) != page_size for t in req.token_ids):
+            raise InvalidArgument(f"every offered page holds {page_size} tokens")
+        now = time.monotonic()
+        for tid in [t for t, o in self._offers.items() if now - o[4] > self.config.transfer_timeout]:
+            del self._offers[tid]  # never put: the engine gave up or died
+            self.receiver.cancel(tid)
+        with self.core.lock:
+            wanted = [i for i, h in enumerate(req.page_hashes) if self.core.index.get(h) is None]
+        if not wanted:
+            return KVStoreOfferReply(wanted=[])
+        tid = uuid.uuid4().hex
+        target = self.receiver.expect(tid, sender_host_id=req.sender_host_id, sender_backends=("nats",))
+        self._offers[tid] = (req.worker_id, [req.page_hashes[i] for i in wanted],
+                             [req.parent_hashes[i] for i in wanted], [list(req.token_ids[i]) for i in wanted], now)
+        return KVStoreOfferReply(wanted=wanted, target=target)
+
+    async def handle_put(self, req: KVStorePutRequest) -> KVStorePutReply:
+        tid = req.transfer.transfer_id
+        offer = self._offers.get(tid)
+        if offer is None or offer[0] != req.worker_id:
+            raise InvalidArgument(f"transfer {tid} was not offered by {req.worker_id} (or the offer expired)")
+        del self._offers[tid]
+        _, hashes, parents, tokens, _ = offer
+        page_bytes = self.core.arena.layout.page_bytes if self.core.arena is not None else 0
+        if list(req.transfer.shape) != [len(hashes), page_bytes] or req.transfer.dtype != "uint8":
+            self.receiver.cancel(tid)
+            raise InvalidArgument(f"transfer {tid} must be [{len(hashes)}, {page_bytes}] uint8, "
+                                  f"got {list(req.transfer.shape)} {req.transfer.dtype}")
+        pages = await self.receiver.receive(req.transfer, timeout=self.config.transfer_timeout)
+
+        def store() -> int:
+            rows = pages.numpy()
+            return sum(self.core.put(h, p, t, rows[i]) is not None
+                       for i, (h, p, t) in enumerate(zip(hashes, parents, tokens)))
+
+        stored = await asyncio.to_thread(store)
+        self.core.counters["remote_in"] += len(hashes)
+        return KVStorePutReply(stored=stored)
+
+    async def handle_fetch(self, req: KVStoreFetchRequest) -> KVStoreFetchReply:
+        self._check_layout(req.worker_id, req.layout_key)
+        limit = max(0, min(req.max_pages, MAX_REMOTE_PAGES))
+        parents, tokens, data = await asyncio.to_thread(self.core.read_pages, req.page_hashes, limit)
+        if not tokens:
+            return KVStoreFetchReply(page_hashes=[], parent_hashes=[], token_ids=[])
+        descriptor = await self.sender.send(req.target, torch.from_numpy(np.ascontiguousarray(data)))
+        self.core.counters["remote_out"] += len(tokens)
+        return KVStoreFetchReply(page_hashes=list(req.page_hashes[: len(tokens)]), parent_hashes=parents,
+                                 token_ids=tokens, transfer=descriptor)
 
     async def handle_dump(self, req: KVDumpRequest) -> KVDumpReply:
         pages = self.core.stored_pages()

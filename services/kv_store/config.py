@@ -24,7 +24,11 @@ class KVStoreConfig:
     hicache_l3_admit_hits: int = 1
     """A page evicted from L2 goes to L3 only if it was hit at least this many times in L2 (0: always)."""
     max_lease: int = 256
-    """Most empty slots one engine may hold for write-back at once (and never more than 1/16 of the arena)."""
+    """Most empty slots one engine may hold for write-back at once (and never more than lease_share of the arena)."""
+    lease_share: float = 1 / 16
+    """Most of the arena one engine may hold leased, so promotions and other engines find slots."""
+    transfer_timeout: float = 30.0
+    """Seconds a write-back from an engine on another host may take to arrive after its offer."""
     metrics_port: int = 0
     """Port of the store's Prometheus endpoint (GET /metrics: slots, hits and misses per tier, evictions); 0: none."""
     metrics_host: str = "127.0.0.1"
@@ -37,7 +41,11 @@ class KVStoreConfig:
             raise ConfigError(f"KVStoreConfig.hicache_size must be > 0 GB, got {self.hicache_size}")
         if self.memory_reserve < 0 or not self.hicache_storage_size > 0:
             raise ConfigError("KVStoreConfig.memory_reserve must be >= 0 and hicache_storage_size > 0")
+        if not 0 < self.lease_share <= 1:
+            raise ConfigError(f"KVStoreConfig.lease_share must be in (0, 1], got {self.lease_share}")
         if self.hicache_l3_admit_hits < 0 or self.max_lease < 1:
             raise ConfigError("KVStoreConfig.hicache_l3_admit_hits must be >= 0 and max_lease >= 1")
+        if not self.transfer_timeout > 0:
+            raise ConfigError(f"KVStoreConfig.transfer_timeout must be > 0, got {self.transfer_timeout}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"KVStoreConfig.metrics_port must be in 0..65535, got {self.metrics_port}")

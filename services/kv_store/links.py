@@ -1,5 +1,7 @@
 """How a tier client reaches its kv_store: in process (tests, one-process setups) or over the bus.
 
+(A kv_store on another host is reached by ``remote.RemoteLink``, which moves page bytes.)
+
 Both offer the same calls. Calls from the engine thread or the copy thread
 never wait on the bus: the bus link schedules them on the worker's event loop
 and returns at once (a lease's slots arrive through a callback).
@@ -20,6 +22,7 @@ class LocalLink:
     """The store in this process (``store.StoreCore``)."""
 
     is_local = True
+    moves_bytes = False
 
     def __init__(self, core):
         self.core = core
@@ -48,11 +51,15 @@ class LocalLink:
     async def lookup_async(self, hashes):
         return self.lookup(hashes)
 
+    async def aclose(self) -> None:
+        pass
+
 
 class BusLink:
-    """The host's kv_store actor over the bus (``actor.py``)."""
+    """The host's kv_store actor over the bus (``actor.py``); page bytes stay in its arena."""
 
     is_local = False
+    moves_bytes = False
 
     def __init__(self, bus, host_id: str, loop: asyncio.AbstractEventLoop, *, timeout: float = 2.0):
         self.bus, self.host_id, self.loop, self.timeout = bus, host_id, loop, timeout
@@ -125,3 +132,6 @@ class BusLink:
             log.warning("kv_store lookup failed: %s; recomputing", exc)
             return "", [], []
         return reply.arena_name, list(reply.page_hashes), list(reply.slots)
+
+    async def aclose(self) -> None:
+        pass

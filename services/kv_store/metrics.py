@@ -73,5 +73,8 @@ class _StoreCollector:
         yield family(C, "kvbus_kv_store_spilled_bytes", "Bytes written to L3.", k["bytes_in_disk"])
         yield family(C, "kvbus_kv_store_promoted_pages", "L3 pages copied into L2 for a lookup (the disk hits).",
                      k["hits_disk"])
+        yield family(C, "kvbus_kv_store_remote_pages",
+                     "Pages moved over the transfer layer for engines on other hosts: in = written back, out = fetched.",
+                     {"in": k["remote_in"], "out": k["remote_out"]}, "direction")
         yield family(C, "kvbus_kv_store_corrupted_pages", "L3 files dropped for a failed checksum (never served).",
                      corrupted)

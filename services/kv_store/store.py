@@ -65,7 +65,8 @@ class StoreCore:
         self.disk: DiskTier | None = None
         self.layout_key: str | None = None
         self.counters = {k: 0 for k in ("hits_host", "hits_disk", "misses", "committed", "duplicates",
-                                        "evicted_host", "spilled_disk", "corrupted_disk", "bytes_in_disk")}
+                                        "evicted_host", "spilled_disk", "corrupted_disk", "bytes_in_disk",
+                                        "remote_in", "remote_out")}
         if config.hicache_size is not None:
             check_size(int(config.hicache_size * GB), config.memory_reserve)
 
@@ -121,7 +122,7 @@ class StoreCore:
         with self.lock:
             idx = self._need_index()
             # Leases are bounded by a share of the arena, so promotions and other engines find slots.
-            cap = min(self.config.max_lease, max(1, idx.num_slots // 16))
+            cap = min(self.config.max_lease, max(1, int(idx.num_slots * self.config.lease_share)))
             n = max(0, min(n, cap - len(idx.leases.get(owner, ()))))
             out = []
             for _ in range(n):
@@ -143,6 +144,8 @@ class StoreCore:
         """``(slot, page hash, parent hash)`` filled by ``owner``; returns the hashes newly stored."""
         stored, parents = [], []
         with self.lock:
+            if self.arena is None:  # closed (a staging arena at shutdown): nothing to commit into
+                return []
             idx = self._need_index()
             for slot, page_hash, parent in entries:
                 if not 0 <= slot < idx.num_slots:
@@ -197,17 +200,47 @@ class StoreCore:
             self.counters["corrupted_disk"] = self.disk.num_corrupted
             return None
         parent, tokens, payload = got
-        slot = self.index.take_free()
-        if slot is None:
-            if next(iter(self.index.stored), None) in protect:  # L2 too small for this chain: stop here
-                return None
-            slot = self._evict_one()
+        # L2 too small for this chain: stop rather than evict a page of the same lookup.
+        return self.put(page_hash, parent, tokens, np.frombuffer(payload, dtype=np.uint8), hits=1, protect=protect)
+
+    def put(self, page_hash: int, parent_hash: int, token_ids: Sequence[int], data: np.ndarray, *,
+            hits: int = 0, protect: set[int] | frozenset = frozenset()):
+        """Store a page given by value (an L3 promotion, a write-back from an engine on another host)
+        in a free slot, evicting L2's LRU page if needed (never one in ``protect``). Returns the
+        stored page (the one already held for a duplicate), or None when no slot is to be had."""
+        with self.lock:
+            idx = self._need_index()
+            held = idx.get(page_hash)
+            if held is not None:
+                self.counters["duplicates"] += 1
+                return held
+            slot = idx.take_free()
             if slot is None:
-                return None
-        self.arena.write(slot, page_hash, tokens, np.frombuffer(payload, dtype=np.uint8))
-        self.index.store_into(slot, page_hash, parent, hits=1)
-        self.on_event("stored", "host", [page_hash], [parent])
-        return self.index.get(page_hash)
+                if protect and next(iter(idx.stored), None) in protect:
+                    return None
+                slot = self._evict_one()
+                if slot is None:
+                    return None
+            self.arena.write(slot, page_hash, token_ids, data)
+            idx.store_into(slot, page_hash, parent_hash, hits=hits)
+            self.on_event("stored", "host", [page_hash], [parent_hash])
+            return idx.get(page_hash)
+
+    def read_pages(self, page_hashes: Sequence[int], max_pages: int) -> tuple[list[int], list[list[int]], np.ndarray]:
+        """The leading pages of ``page_hashes`` that L2 holds (L3 hits promoted first), by value:
+        ``(parent hashes, token ids, [n, page_bytes] uint8)``, each read verified (seqlock, hash)."""
+        with self.lock:
+            found = self.lookup(list(page_hashes[:max_pages]))
+            parents, tokens = [], []
+            out = np.empty((len(found), self.arena.layout.page_bytes if self.arena else 0), dtype=np.uint8)
+            for i, (h, slot) in enumerate(found):
+                got_hash, toks = self.arena.read_header(slot)
+                if got_hash != h or not self.arena.read_into(slot, h, toks, out[i]):
+                    out = out[:i]
+                    break
+                parents.append(self.index.get(h).parent_hash)
+                tokens.append(toks)
+            return parents, tokens, out[: len(tokens)]
 
     # ---- eviction ----------------------------------------------------------
 

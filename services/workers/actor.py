@@ -57,10 +57,17 @@ class EngineWorker(Actor):
         if self.config.hicache:
             from services.kv_store.client import HostTierClient
             from services.kv_store.links import BusLink
+            from services.kv_store.remote import RemoteLink
 
-            cfg = self.config
+            cfg, loop = self.config, asyncio.get_running_loop()
+            store_host = cfg.hicache_store_host or self.host_id
+            if store_host == self.host_id:  # map the host's arena
+                link = BusLink(None, self.host_id, loop)
+            else:  # another host's store: pages by value through the transfer layer
+                link = RemoteLink(None, store_host, self.host_id, loop, staging_ratio=cfg.hicache_staging_ratio,
+                                  transfer_timeout=cfg.transfer_timeout)
             self.tier = HostTierClient(
-                BusLink(None, self.host_id, asyncio.get_running_loop()), owner=self.worker_id,
+                link, owner=self.worker_id,
                 model=str(cfg.model or "default"), write_policy=cfg.hicache_write_policy,
                 selective_hits=cfg.hicache_selective_hits, min_load_pages=cfg.hicache_min_load_pages)
             hooks.append(self.tier)
@@ -119,6 +126,7 @@ class EngineWorker(Actor):
             await self.engine.aclose()
         if self.tier is not None:
             self.tier.close()  # ends the copy thread after the copies queued
+            await self.tier.link.aclose()
 
     # --- HiCache and KV events ---------------------------------------------------------
     async def _tier_loop(self) -> None:
@@ -156,8 +164,9 @@ class EngineWorker(Actor):
         tier = self.tier
         if start == len(hashes) or tier is None or not tier.is_attached or not tier.link.healthy:
             return start
+        timeout = self.config.hicache_fetch_timeout if tier.link.moves_bytes else self.config.hicache_timeout
         try:
-            in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), self.config.hicache_timeout)
+            in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), timeout)
         except asyncio.TimeoutError:
             return start
         return start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
@@ -226,6 +235,7 @@ class EngineWorker(Actor):
         if self.tier is not None:
             detail["hicache_attached"] = str(int(self.tier.is_attached))
             detail.update({f"hicache_{k}": f"{v:g}" for k, v in self.tier.stats.items()})
+            detail.update({f"hicache_remote_{k}": f"{v:g}" for k, v in getattr(self.tier.link, "stats", {}).items()})
         return detail
 
 

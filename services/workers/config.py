@@ -54,6 +54,14 @@ class WorkerConfig(EngineConfig):
     """Seconds between checks of the attachment to the kv_store (a restarted store is re-attached)."""
     hicache_timeout: float = 0.25
     """Seconds the worker waits for the kv_store's lookup before queueing a request anyway (then: recompute)."""
+    hicache_store_host: str | None = None
+    """Host id of the kv_store to use; default: this worker's host (map its arena). Another host: pages move by
+    value through the transfer layer's nats backend, staged in a private host cache (docs/hicache.md)."""
+    hicache_staging_ratio: float = 1.0
+    """With a kv_store on another host: the private staging cache's size, in KV pools (at least 64 pages)."""
+    hicache_fetch_timeout: float = 10.0
+    """With a kv_store on another host: seconds a lookup may take, fetching pages included, before the request is
+    queued anyway (its pages are then recomputed)."""
     metrics_port: int = 0
     """Port of this worker's Prometheus endpoint (GET /metrics: cache hits, HiCache traffic, load); 0: none."""
     metrics_host: str = "127.0.0.1"
@@ -80,6 +88,8 @@ class WorkerConfig(EngineConfig):
         if self.hicache_selective_hits < 1 or self.hicache_min_load_pages < 1 or not self.hicache_timeout > 0:
             raise ConfigError("WorkerConfig.hicache_selective_hits and hicache_min_load_pages must be >= 1, "
                               "hicache_timeout > 0")
+        if not (self.hicache_staging_ratio > 0 and self.hicache_fetch_timeout > 0):
+            raise ConfigError("WorkerConfig.hicache_staging_ratio and hicache_fetch_timeout must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"WorkerConfig.metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.kv_transfer not in TRANSFER_BACKENDS:

@@ -127,3 +127,20 @@ class _WorkerCollector:
                            "KV pool pages held by a write-back until the engine sees its copy land.", bm.num_copying)
         yield self._family(g, "kvbus_hicache_leased_slots", "Empty host slots leased for coming write-backs.",
                            tier.num_leased)
+        link = getattr(tier.link, "stats", None)
+        if link is not None:  # a kv_store on another host: pages moved by value
+            remote = CounterMetricFamily("kvbus_hicache_remote_pages",
+                                         "Pages moved to (sent) or from (received) a kv_store on another host.",
+                                         labels=[*self.names, "direction"])
+            remote.add_metric([*self.values, "sent"], link["pages_sent"])
+            remote.add_metric([*self.values, "received"], link["pages_received"])
+            yield remote
+            remote_bytes = CounterMetricFamily("kvbus_hicache_remote_bytes",
+                                               "Bytes moved to (sent) or from (received) a kv_store on another host.",
+                                               labels=[*self.names, "direction"])
+            remote_bytes.add_metric([*self.values, "sent"], link["bytes_sent"])
+            remote_bytes.add_metric([*self.values, "received"], link["bytes_received"])
+            yield remote_bytes
+            yield self._family(c, "kvbus_hicache_remote_failed",
+                               "Puts of pages and fetches to a kv_store on another host that failed (the pages "
+                               "stay local or are recomputed).", link["put_failed"] + link["fetch_failed"])
