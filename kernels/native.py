@@ -27,8 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp"))
-HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("vec_math.h",))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp",
+                                                           "decode_stack.cpp"))
+HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("vec_math.h", "ops.h"))
 ENV_ENABLE = "KVBUS_NATIVE"
 ENV_DIR = "KVBUS_NATIVE_DIR"
 NAME = "kvbus_cpu"

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
 #include "vec_math.h"
 
 namespace kvbus_cpu {
@@ -215,6 +216,22 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional
 }
 
 }  // namespace
+
+namespace ops {
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  kvbus_cpu::store_kv(k, v, k_cache, v_cache, slot_mapping);
+}
+void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos_sin,
+            at::Tensor& q_out, at::Tensor& k_out) {
+  kvbus_cpu::rotary(q, k, positions, cos_sin, q_out, k_out);
+}
+void silu_and_mul(const at::Tensor& x, at::Tensor& out) { kvbus_cpu::silu_and_mul(x, out); }
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& residual, double eps,
+              at::Tensor& y, at::Tensor& sum_out) {
+  kvbus_cpu::rms_norm(x, weight, residual, eps, y, sum_out);
+}
+}  // namespace ops
 
 TORCH_LIBRARY_FRAGMENT(kvbus_cpu, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -154,6 +156,12 @@ void packed_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<
 #endif
 
 }  // namespace
+
+namespace ops {
+void packed_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  kvbus_cpu::packed_gemm(x, wp, bias, y);
+}
+}  // namespace ops
 
 TORCH_LIBRARY_FRAGMENT(kvbus_cpu, m) {
   m.def("packed_gemm(Tensor x, Tensor wp, Tensor? bias, Tensor(a!) y) -> ()");

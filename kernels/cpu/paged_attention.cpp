@@ -28,6 +28,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -839,6 +841,15 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 }  // namespace
+
+namespace ops {
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                     double scale, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                     at::Tensor& out) {
+  kvbus_cpu::paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale, out);
+}
+}  // namespace ops
 
 TORCH_LIBRARY(kvbus_cpu, m) {
   m.def(

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from kernels import (
     apply_rotary,
+    backend_mode,
+    native,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
@@ -22,7 +24,7 @@ from kernels import (
     store_kv,
 )
 from services.engine.kv_pool import KVPool
-from services.engine.linear import linear
+from services.engine.linear import NATIVE_MAX_ROWS, CpuWeight, linear
 from services.engine.model_config import ModelConfig
 from services.engine.weights import LayerWeights, ModelWeights
 
@@ -56,6 +58,7 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin_cache(
             mc.head_dim, max_model_len, mc.rope_theta, mc.rope_scaling, device=weights.embed.device
         )
+        self._stack: tuple | None | bool = False  # decode_layers' per-layer arguments; False: not built yet
 
     def forward(
         self,
@@ -67,9 +70,23 @@ class LlamaModel:
         mc, w = self.mc, self.w
         eps = mc.rms_norm_eps
         h = F.embedding(input_ids, w.embed)  # [T, H]
-        residual = None
         packed = meta.num_decode_tokens == input_ids.shape[0]  # decode-only step (linear.py)
-        for i, layer in enumerate(w.layers):
+        if packed and input_ids.shape[0] <= NATIVE_MAX_ROWS and (stack := self.decode_stack()) is not None:
+            # every layer in one native call: the same kernels, values and order as _layers
+            h, residual = native.ops().decode_layers(
+                h, *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+        else:
+            h, residual = self._layers(h, positions, meta, packed)
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = rms_norm(h, w.norm, eps, residual)
+        return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
+
+    def _layers(self, h, positions, meta: AttentionMetadata, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.mc.rms_norm_eps
+        residual = None
+        for i, layer in enumerate(self.w.layers):
             if residual is None:
                 x, residual = rms_norm(h, layer.input_norm, eps), h
             else:
@@ -78,10 +95,34 @@ class LlamaModel:
             x, residual = rms_norm(h, layer.post_norm, eps, residual)
             gate_up = linear(x, layer.gate_up, layer.gate_up_bias, packed)
             h = linear(silu_and_mul(gate_up), layer.down, layer.down_bias, packed)
-        if logits_indices is not None:
-            h, residual = h[logits_indices], residual[logits_indices]
-        h, _ = rms_norm(h, w.norm, eps, residual)
-        return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
+        return h, residual
+
+    def decode_stack(self) -> tuple | None:
+        """The per-layer arguments of the native ``decode_layers`` op (kernels/cpu/decode_stack.cpp),
+        or None where it cannot serve this model: weights not float32 in the packed layout, KV not
+        float32, kernels forced to a backend other than auto, or no native build. Built once."""
+        if backend_mode() != "auto":
+            return None
+        if self._stack is False:
+            w, kv = self.w, self.kv
+            ok = (
+                native.available()
+                and kv.dtype == torch.float32 and self.cos_sin.dtype == torch.float32 and not kv.data.is_cuda
+                and all(type(getattr(layer, name)) is CpuWeight for layer in w.layers
+                        for name in ("qkv", "o", "gate_up", "down"))
+            )
+            none = torch.empty(0)
+            per = lambda f: [f(layer) for layer in w.layers]  # noqa: E731
+            self._stack = (
+                per(lambda l: l.input_norm.contiguous()), per(lambda l: l.post_norm.contiguous()),
+                per(lambda l: l.qkv.packed), per(lambda l: none if l.qkv_bias is None else l.qkv_bias.contiguous()),
+                per(lambda l: l.o.packed), per(lambda l: none if l.o_bias is None else l.o_bias.contiguous()),
+                per(lambda l: l.gate_up.packed),
+                per(lambda l: none if l.gate_up_bias is None else l.gate_up_bias.contiguous()),
+                per(lambda l: l.down.packed), per(lambda l: none if l.down_bias is None else l.down_bias.contiguous()),
+                list(kv.k_caches), list(kv.v_caches),
+            ) if ok else None
+        return self._stack
 
     def _attention(
         self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

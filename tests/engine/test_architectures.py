@@ -100,6 +100,30 @@ def test_logits_prefill_and_decode_match_hf(tiny):
         torch.testing.assert_close(torch.tensor(lp.top_logprobs), row.topk(5).values, atol=1e-4, rtol=0)
 
 
+def test_native_decode_stack_equals_the_per_op_loop(tiny):
+    """Biases, head_dim 24, llama3 RoPE: the one-call decode stack gives the loop's bits."""
+    from kernels import native
+
+    if not native.available():
+        pytest.skip("native CPU kernels not built")
+    name, path, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 37, 100)]
+
+    def run(fused: bool):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=0.01,
+                                        page_size=8, load_tokenizer=False))
+        if fused:
+            assert engine.model.decode_stack() is not None
+        else:
+            engine.model._stack = None
+        outs = engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=5,
+                                                            ignore_eos=True))
+        return [(o.token_ids, [lp.top_logprobs for lp in o.logprobs]) for o in outs]
+
+    assert run(True) == run(False), name
+
+
 def test_unsupported_architecture_is_a_clear_value_error(tmp_path):
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):

@@ -1,0 +1,77 @@
+"""The native decode stack (kvbus_cpu::decode_layers: every layer of a decode-only step in one call)
+against the per-op loop it replaces: bit-identical logits, batch by batch.
+
+Both paths run the same kernels in the same order on the same values, so equality is exact
+(``torch.equal``), not a tolerance. A decode step of more rows than the packed GEMM serves
+(13) and a prefill keep the loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas.engine import SamplingParams
+from services.engine import EngineConfig, LLMEngine
+
+pytestmark = pytest.mark.skipif(not __import__("kernels.native", fromlist=["x"]).available(),
+                                reason="native CPU kernels not built")
+
+
+class Recorder:
+    """Wraps LlamaModel.forward to keep every step's logits and whether the stack served it."""
+
+    def __init__(self, model, fused: bool):
+        self.model, self.steps = model, []
+        if not fused:
+            model._stack = None  # the per-op loop only
+        self.forward = model.forward
+        model.forward = self
+
+    def __call__(self, input_ids, positions, meta, logits_indices):
+        logits = self.forward(input_ids, positions, meta, logits_indices)
+        stacked = meta.num_decode_tokens == input_ids.shape[0] <= 12 and self.model._stack is not None
+        self.steps.append((input_ids.shape[0], stacked, logits.clone()))
+        return logits
+
+
+def run(model_dir, fused: bool, prompts, max_tokens=6):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=0.05,
+                                    load_tokenizer=False, max_running_requests=16))
+    rec = Recorder(engine.model, fused)
+    outs = engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs], rec.steps
+
+
+@pytest.mark.parametrize("batch", [1, 5, 12, 13])
+def test_stack_logits_equal_the_per_op_loop(model_dir, batch):
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, 20000, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 90, (batch,), generator=g)]
+    tokens_fused, fused = run(model_dir, True, prompts)
+    tokens_loop, loop = run(model_dir, False, prompts)
+    assert tokens_fused == tokens_loop
+    assert len(fused) == len(loop)
+    for (rows, stacked, a), (rows_b, _, b) in zip(fused, loop):
+        assert rows == rows_b and torch.equal(a, b), f"step of {rows} rows differs"
+    decode_steps = [s for s in fused if s[1]]
+    if batch <= 12:
+        assert len(decode_steps) >= 5  # the stack served the decode steps
+    else:
+        assert not decode_steps  # 13 rows: oneDNN projections, the loop
+
+
+def test_stack_is_off_where_it_cannot_serve(model_dir):
+    from kernels import set_backend
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=0.02,
+                                    load_tokenizer=False))
+    assert engine.model.decode_stack() is not None
+    set_backend("torch")  # kernels forced to the references: no native stack either
+    try:
+        assert engine.model.decode_stack() is None
+    finally:
+        set_backend(None)
+    bf16 = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory=0.02,
+                                  load_tokenizer=False))
+    assert bf16.model.decode_stack() is None
