@@ -42,7 +42,7 @@ from schemas.kv_store import (
 )
 from schemas.transfer import KVChunkEvent
 from schemas.worker import (
-    PrefillReply,
+    PrefillChunk,
     PrefillRequest,
     RouteReply,
     RouteRequest,
@@ -221,9 +221,11 @@ WORKER_GENERATE = Subject(
 PREFILL = Subject(
     f"{PREFIX}.prefill.{{worker_id}}.prefill",
     PrefillRequest,
-    PrefillReply,
-    "Compute a prompt's KV pages and first token on this prefill worker and push the pages to the decoder.",
+    PrefillChunk,
+    "Compute a prompt's KV pages and first token on this prefill worker and push the pages to the decoder; "
+    "streams the first token, then the pages' transfer descriptor.",
     encoding=Encoding.MSGPACK,
+    streamed=True,
 )
 KV_CHUNK = Subject(
     f"{PREFIX}.kv.{{worker_id}}.{{transfer_id}}",

@@ -91,9 +91,12 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
     the pages after them. At most ``(len(prompt_token_ids) - 1) // page_size``."""
 
 
-class PrefillReply(msgspec.Struct, frozen=True, kw_only=True):
+class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """Two per prefill, streamed: the first token as soon as it is sampled (``kv`` None), then,
+    once the pages are pushed, the transfer descriptor (``kv``)."""
+
     first_token_id: int
-    kv: TransferDescriptor
+    kv: TransferDescriptor | None = None
     num_cached_tokens: int = 0
     first_logprob: TokenLogprob | None = None
     timings: dict[str, float] = {}

@@ -89,7 +89,7 @@ class AsyncEngineMixin:
         self,
         prompt_token_ids: Seq[int],
         first_token_id: int,
-        kv: torch.Tensor,
+        kv: torch.Tensor | None,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -106,6 +106,14 @@ class AsyncEngineMixin:
         return self._stream(request_id, lambda: self.add_prefilled_request(
             request_id, prompt_token_ids, first_token_id, kv, params, num_cached_tokens=num_cached_tokens,
             first_logprob=first_logprob, kv_scales=kv_scales, kv_first_page=kv_first_page))
+
+    def provide_kv(self, request_id: str, kv: torch.Tensor | None, kv_scales: Seq[float] = (),
+                   kv_first_page: int | None = None) -> bool:
+        """Hand over the pages of a request streamed by :meth:`generate_prefilled` with ``kv=None``
+        (see :meth:`import_kv`; ``None``: compute its prompt here instead)."""
+        taken = self.import_kv(request_id, kv, kv_scales, kv_first_page)
+        self._wake()
+        return taken
 
     async def _stream(self, request_id: str, submit) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:

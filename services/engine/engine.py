@@ -109,6 +109,7 @@ class LLMEngine(AsyncEngineMixin):
         self._seqs: dict[str, Sequence] = {}
         self._live_ids: set[str] = set()
         self._prefill_results: dict[str, PrefillResult] = {}
+        self._awaiting_kv: dict[str, Sequence] = {}  # imported requests whose pages are on their way
         self._lock = threading.Lock()
         self._init_async()
         log.info(
@@ -177,7 +178,7 @@ class LLMEngine(AsyncEngineMixin):
         request_id: str,
         prompt_token_ids: Seq[int],
         first_token_id: int,
-        kv: torch.Tensor,
+        kv: torch.Tensor | None,
         params: SamplingParams | None = None,
         *,
         num_cached_tokens: int = 0,
@@ -189,6 +190,10 @@ class LLMEngine(AsyncEngineMixin):
         ``kv_first_page`` on (``[pages, layers, 2, page_size, Hkv, D]``, as :meth:`prefill`
         exports them) and ``first_token_id`` its first generated token, which is streamed first.
 
+        ``kv=None``: the pages are still on their way. The first token streams now; the request
+        waits outside the scheduler (holding no pages) until :meth:`import_kv` hands them over,
+        or says they will not come, and then it computes its prompt here.
+
         The pages before ``kv_first_page`` are expected in this engine's prefix cache or
         host tier (the caller counted them when it asked for the prefill); any that left
         meanwhile are recomputed here before the imported ones are written."""
@@ -196,22 +201,52 @@ class LLMEngine(AsyncEngineMixin):
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         try:
             self._check_skip_pages(seq, kv_first_page)
-            seq.imported_first_page = kv_first_page
-            self._check_imported_kv(seq, first_token_id, kv, kv_scales)
+            self._check_first_token(first_token_id)
+            if kv is not None:
+                self._check_imported_kv(seq, kv, kv_scales, kv_first_page)
         except RequestError:
             with self._lock:
                 self._live_ids.discard(request_id)
             raise
+        seq.imported_first_page = kv_first_page
         seq.imported_kv = kv
+        seq.awaiting_kv = kv is None
         seq.num_cached_tokens = num_cached_tokens
         seq.is_admitted_once = True
+        if kv is None:
+            with self._lock:
+                self._awaiting_kv[request_id] = seq
         self._mailbox.append(("import", (seq, first_token_id, first_logprob)))
 
-    def _check_imported_kv(self, seq: Sequence, first_token_id: int, kv, kv_scales: Seq[float]) -> None:
-        mc, pool = self.model_config, self.kv_pool
-        if not 0 <= first_token_id < mc.vocab_size:
-            raise RequestError(f"first_token_id must be in [0, {mc.vocab_size})")
-        num_pages = self.block_manager.pages_for(seq.num_prompt_tokens) - seq.imported_first_page
+    def import_kv(self, request_id: str, kv: torch.Tensor | None, kv_scales: Seq[float] = (),
+                  kv_first_page: int | None = None) -> bool:
+        """The pages of a request added with ``kv=None`` arrived (``kv_first_page``: where they
+        start, if not where the request said). ``kv=None``, or pages that do not fit: they will
+        not come, and the request computes its prompt (and first token) here, as after a
+        preemption. False when the request is gone (finished at its first token, or aborted)."""
+        with self._lock:
+            seq = self._awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return False
+        first_page = seq.imported_first_page if kv_first_page is None else kv_first_page
+        if kv is not None:
+            try:
+                self._check_skip_pages(seq, first_page)
+                self._check_imported_kv(seq, kv, kv_scales, first_page)
+            except RequestError as exc:
+                log.warning("pages for %s do not fit (%s): computing its prompt here", request_id, exc)
+                kv = None
+        self._mailbox.append(("kv", (seq, kv, first_page)))
+        return True
+
+    def _check_first_token(self, first_token_id: int) -> None:
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise RequestError(f"first_token_id must be in [0, {vocab})")
+
+    def _check_imported_kv(self, seq: Sequence, kv, kv_scales: Seq[float], first_page: int) -> None:
+        pool = self.kv_pool
+        num_pages = self.block_manager.pages_for(seq.num_prompt_tokens) - first_page
         want = (num_pages, *pool.data.shape[1:])
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
             raise RequestError(f"prefilled KV must be {list(want)}, got {list(getattr(kv, 'shape', []))}")
@@ -283,7 +318,8 @@ class LLMEngine(AsyncEngineMixin):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Queued requests, and imported ones whose pages are on their way."""
+        return len(self.scheduler.waiting) + len(self._awaiting_kv)
 
     # ---- the step -------------------------------------------------------
 
@@ -434,9 +470,16 @@ class LLMEngine(AsyncEngineMixin):
                 seq, first_token_id, first_logprob = item
                 self._seqs[seq.request_id] = seq
                 out = self._append_token(seq, first_token_id, first_logprob)
-                if not out.finished:
+                if not out.finished and not seq.awaiting_kv:
                     self.scheduler.add(seq)
                 outputs.append(out)
+            elif kind == "kv":
+                seq, kv, first_page = item
+                if self._seqs.get(seq.request_id) is not seq or seq.finish_reason is not None:
+                    continue  # finished at its first token, or aborted, meanwhile
+                seq.awaiting_kv = False
+                seq.imported_kv, seq.imported_first_page = kv, (first_page if kv is not None else 0)
+                self.scheduler.add(seq)
             else:
                 seq = self._seqs.get(item)
                 if seq is not None:
@@ -513,6 +556,8 @@ class LLMEngine(AsyncEngineMixin):
         self._seqs.pop(seq.request_id, None)
         with self._lock:
             self._live_ids.discard(seq.request_id)
+            if seq.awaiting_kv:
+                self._awaiting_kv.pop(seq.request_id, None)
         usage = self._usage(seq)
         self.stats.num_prompt_tokens += usage.prompt_tokens
         self.stats.num_cached_prompt_tokens += usage.cached_prompt_tokens

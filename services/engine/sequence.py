@@ -61,6 +61,7 @@ class Sequence:
         # samples its first token; an imported one arrives with those pages.
         self.is_prefill_only = False
         self.imported_kv = None  # [pages, layers, 2, page_size, Hkv, D] until written
+        self.awaiting_kv = False  # imported, first token streamed, pages not here yet (LLMEngine.import_kv)
         self.import_from_page = 0
         # Leading pages the other side of a transfer holds: an imported sequence's kv starts
         # here; a prefill-only one exports from here.

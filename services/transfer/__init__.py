@@ -7,7 +7,7 @@ Tensors in, tensors out; nothing here knows the engine. See
     target = receiver.expect(transfer_id, sender_host_id=..., sender_backends=...)
     # ... PrefillRequest(transfer=target) -> prefill worker:
     descriptor = await sender.send(target, kv)          # sender = KVSender(bus, "prefill-0", host_id)
-    # ... PrefillReply(kv=descriptor) -> decode worker:
+    # ... PrefillChunk(kv=descriptor) -> decode worker:
     kv = await receiver.receive(descriptor, timeout=30)
 """
 

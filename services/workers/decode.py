@@ -1,14 +1,18 @@
 """Decode worker: takes prefilled requests (KV pages from a prefill worker) into its batch.
 
 When the router names no prefill worker (short prompts, no prefill worker
-alive) the decode worker prefills locally. A prefill or transfer that fails is
-retried once locally, so a dead prefill worker costs time, never the request;
+alive) the decode worker prefills locally. The prefill worker's first token is
+streamed to the caller as soon as it arrives; the request joins the batch when
+its pages follow. A prefill that fails before its first token is retried once
+locally; pages that do not arrive after it are computed here (from the prompt
+and that token), so a dead prefill worker costs time, never the request;
 the prefill worker's heartbeats are watched meanwhile, so its death is known
 within ``peer_ttl`` seconds, not the transfer timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -36,6 +40,8 @@ class DecodeActor(WorkerActor):
         self.transfer_bytes = 0  # KV payload received from prefill workers
         self.transfer_pages = 0
         self.transfer_pages_skipped = 0  # prompt pages not sent: this worker held them
+        self.last_transfer_s = 0.0  # first token .. pages handed to the engine, of the last import
+        self._page_tasks: set[asyncio.Task] = set()  # imports whose pages are in transit
 
     async def start(self, bus) -> None:
         from services.transfer import KVReceiver
@@ -46,6 +52,9 @@ class DecodeActor(WorkerActor):
         await super().start(bus)
 
     async def stop(self) -> None:
+        for task in list(self._page_tasks):
+            task.cancel()
+        await asyncio.gather(*self._page_tasks, return_exceptions=True)
         await super().stop()
         if self.liveness is not None:
             await self.liveness.stop()
@@ -67,7 +76,8 @@ class DecodeActor(WorkerActor):
         return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
 
     async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float]):
-        """Prefill on the named worker, receive the pages, and start decoding from them."""
+        """Prefill on the named worker; its first token streams to the caller at once, and the
+        request joins this engine's batch when its pages have arrived (``_take_pages``)."""
         transfer_id = uuid.uuid4().hex
         target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id)
         t0 = time.monotonic()
@@ -75,27 +85,77 @@ class DecodeActor(WorkerActor):
         if req.deadline_s is not None:
             timeout = max(min(timeout, req.deadline_s), 0.001)
         peer = req.prefill_worker_id
+        stream = None
         try:
             # Pages this worker holds need not cross; the L2 ones are loaded at admission.
             skip = await self.prefetch_tiers(req.prompt_token_ids) if self.config.transfer_missing_only else 0
-            reply = await self.liveness.guard(self.bus.request(
+            stream = self.bus.stream(
                 PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling=req.sampling, transfer=target, deadline_s=timeout,
                                         skip_pages=skip),
-                timeout=timeout, worker_id=peer), peer, f"prefill of {req.request_id}")
-            t1 = time.monotonic()
+                timeout=timeout, worker_id=peer)
             try:
-                kv = await self.liveness.guard(self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout),
-                                               peer, f"KV transfer {transfer_id}")
-            except InvalidArgument as exc:  # a fault between the workers, not in the caller's request
-                raise Unavailable(f"KV transfer {transfer_id} from {req.prefill_worker_id} failed: "
-                                  f"{exc.message}") from None
+                first = await self.liveness.guard(anext(stream), peer, f"prefill of {req.request_id}")
+            except StopAsyncIteration:
+                raise Unavailable(f"prefill worker {peer} ended the prefill of {req.request_id} "
+                                  f"without a token") from None
         except BaseException:
             self.receiver.cancel(transfer_id)
+            if stream is not None:
+                await stream.aclose()
             raise
-        t2 = time.monotonic()
-        timings.update({**reply.timings, "prefill_call_s": t1 - t0, "transfer_receive_s": t2 - t1})
+        timings.update({**first.timings, "prefill_call_s": time.monotonic() - t0})
         self.num_remote_prefills += 1
+        outputs = self.engine.generate_prefilled(
+            req.prompt_token_ids, first.first_token_id, None, req.sampling, request_id=req.request_id,
+            num_cached_tokens=first.num_cached_tokens, first_logprob=first.first_logprob, kv_first_page=skip)
+        return self._with_pages(outputs, req, stream, transfer_id, skip)
+
+    async def _with_pages(self, outputs, req: WorkerGenerateRequest, stream, transfer_id: str, skip: int):
+        """The engine's outputs of a request whose pages are in transit. Its first output (the
+        prefill worker's token) submits it; then a task takes the pages in. The task is not
+        cancelled when the caller leaves: it claims what was sent (a shared-memory segment would
+        otherwise wait for its sender's reaper) and the engine drops pages of a request gone."""
+        task = None
+        try:
+            first = await anext(outputs)
+            task = asyncio.create_task(self._take_pages(req, stream, transfer_id, skip), name=f"kv-{transfer_id}")
+            self._page_tasks.add(task)
+            task.add_done_callback(self._page_tasks.discard)
+            yield first
+            async for out in outputs:
+                yield out
+        finally:
+            if task is None:
+                self.receiver.cancel(transfer_id)
+                await stream.aclose()
+            await outputs.aclose()
+
+    async def _take_pages(self, req: WorkerGenerateRequest, stream, transfer_id: str, skip: int) -> None:
+        """Receive the pages of a request streaming from a remote prefill and hand them to the
+        engine; if they do not come (prefill worker died, transfer failed), the engine computes
+        the prompt here instead (the caller already has the first token, so no retry elsewhere)."""
+        peer = req.prefill_worker_id
+        t0 = time.monotonic()
+        try:
+            try:
+                reply = await self.liveness.guard(anext(stream), peer, f"pages of {req.request_id}")
+                if reply.kv is None:
+                    raise Unavailable(f"prefill worker {peer} sent a second token, not pages")
+                kv = await self.liveness.guard(self.receiver.receive(reply.kv, timeout=self.config.transfer_timeout),
+                                               peer, f"KV transfer {transfer_id}")
+            finally:
+                self.receiver.cancel(transfer_id)
+                await stream.aclose()
+        except asyncio.CancelledError:
+            self.engine.provide_kv(req.request_id, None)
+            raise
+        except Exception as exc:  # noqa: BLE001 (whatever failed, the request must go on here)
+            self.num_prefill_failures += 1
+            log.warning("pages of %s from %s did not arrive (%s); computing its prompt here", req.request_id,
+                        peer, exc.message if isinstance(exc, BusError) else (str(exc) or type(exc).__name__))
+            self.engine.provide_kv(req.request_id, None)
+            return
         self.num_transfers[reply.kv.backend] = self.num_transfers.get(reply.kv.backend, 0) + 1
         num_pages = kv.shape[0] if kv.dim() else 0
         if skip and num_pages == -(-len(req.prompt_token_ids) // self.engine.block_manager.page_size):
@@ -103,10 +163,8 @@ class DecodeActor(WorkerActor):
         self.transfer_bytes += reply.kv.num_bytes
         self.transfer_pages += num_pages
         self.transfer_pages_skipped += skip
-        return self.engine.generate_prefilled(
-            req.prompt_token_ids, reply.first_token_id, kv, req.sampling, request_id=req.request_id,
-            num_cached_tokens=reply.num_cached_tokens, first_logprob=reply.first_logprob,
-            kv_scales=reply.kv.scales, kv_first_page=skip)
+        self.last_transfer_s = time.monotonic() - t0
+        self.engine.provide_kv(req.request_id, kv, reply.kv.scales, kv_first_page=skip)
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),

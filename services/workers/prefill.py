@@ -1,17 +1,20 @@
 """Prefill worker: computes prompts' KV pages and first tokens, pushes the pages to decoders.
 
 Prompts from many decoders batch together in the engine (chunked prefill with
-its token budget, prefix cache reuse); each finished prompt's pages are copied
-out, pushed with the KV transfer layer and released to the prefix cache.
+its token budget, prefix cache reuse); each finished prompt's first token is
+streamed back at once, then its pages are copied out, pushed with the KV
+transfer layer (the descriptor follows the token) and released to the prefix
+cache.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from bus.errors import InvalidArgument
 from bus.subjects import PREFILL
-from schemas.worker import PrefillReply, PrefillRequest
+from schemas.worker import PrefillChunk, PrefillRequest
 from services.workers.actor import EngineWorker
 
 
@@ -37,7 +40,9 @@ class PrefillActor(EngineWorker):
             await self.sender.close()
         await super().stop()
 
-    async def handle_prefill(self, req: PrefillRequest) -> PrefillReply:
+    async def handle_prefill(self, req: PrefillRequest) -> AsyncIterator[PrefillChunk]:
+        """Streams the first token the moment it is sampled (the decode worker passes it on to the
+        caller while the pages travel), then the pages' transfer descriptor."""
         from services.engine import RequestError
 
         self.admit(req.deadline_s)
@@ -49,14 +54,14 @@ class PrefillActor(EngineWorker):
         except RequestError as exc:
             raise InvalidArgument(str(exc)) from None
         t1 = time.monotonic()
+        yield PrefillChunk(first_token_id=result.first_token_id, num_cached_tokens=result.num_cached_tokens,
+                           first_logprob=result.first_logprob, timings={"prefill_s": t1 - t0})
         descriptor = await self.sender.send(req.transfer, result.kv, scales=result.kv_scales)
         self.num_prefilled += 1
         self.admission.observe_finished(time.monotonic() - t0, 1)
-        return PrefillReply(
-            first_token_id=result.first_token_id, kv=descriptor, num_cached_tokens=result.num_cached_tokens,
-            first_logprob=result.first_logprob,
-            timings={"prefill_s": t1 - t0, "transfer_send_s": time.monotonic() - t1},
-        )
+        yield PrefillChunk(first_token_id=result.first_token_id, kv=descriptor,
+                           num_cached_tokens=result.num_cached_tokens,
+                           timings={"transfer_send_s": time.monotonic() - t1})
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "prefilled": str(self.num_prefilled)}

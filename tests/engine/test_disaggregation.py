@@ -160,6 +160,58 @@ def test_first_token_of_an_import_streams_before_the_forward_pass(engine, prompt
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("pages", ["arrive", "never", "misfit"])
+def test_first_token_streams_before_the_pages_arrive(engine, prompt_ids, pages):
+    """1P1D: the decode worker streams the prefill worker's first token while the pages are still
+    in transit (kv=None); they arrive later (provide_kv), or not at all or wrongly shaped, and the
+    request computes its prompt here instead. Token for token the same either way."""
+    prompt = prompt_ids[2]
+    [ref] = engine.generate_sync([prompt], GREEDY)
+    result = prefill_sync(engine, "pre", prompt)
+    engine.block_manager.evict_all_cached()
+    free = engine.block_manager.num_free_pages
+
+    async def main():
+        outs = []
+        stream = engine.generate_prefilled(prompt, result.first_token_id, None, GREEDY,
+                                           num_cached_tokens=result.num_cached_tokens, request_id="d")
+        outs.append(await anext(stream))  # streamed before any page is here
+        assert engine.num_waiting == 1 and engine.num_running == 0
+        assert engine.block_manager.num_free_pages == free  # it holds no pages while it waits
+        kv = {"arrive": result.kv, "never": None, "misfit": result.kv[:-1]}[pages]
+        assert engine.provide_kv("d", kv, result.kv_scales)
+        assert not engine.provide_kv("d", kv, result.kv_scales)  # once
+        outs += [o async for o in stream]
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[0].new_token_ids == [result.first_token_id]
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+    assert engine.stats.num_prefill_tokens >= (0 if pages == "arrive" else len(prompt))
+    assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
+
+
+def test_pages_for_a_request_gone_meanwhile_are_dropped(engine, prompt_ids):
+    prompt = prompt_ids[2]
+    result = prefill_sync(engine, "pre", prompt)
+
+    async def main():
+        done = [o async for o in engine.generate_prefilled(  # finished at its first token
+            prompt, result.first_token_id, None, SamplingParams(temperature=0.0, max_tokens=1), request_id="one")]
+        assert done[-1].finished and not engine.provide_kv("one", result.kv, result.kv_scales)
+        stream = engine.generate_prefilled(prompt, result.first_token_id, None, GREEDY, request_id="gone")
+        await anext(stream)
+        await stream.aclose()  # the caller left: aborted while its pages were in transit
+        deadline = asyncio.get_running_loop().time() + 60
+        while engine.has_unfinished() or engine._awaiting_kv:  # the abort reaches the engine thread
+            assert asyncio.get_running_loop().time() < deadline, "the abort was never processed"
+            await asyncio.sleep(0.01)
+        return engine.provide_kv("gone", result.kv, result.kv_scales)
+
+    assert asyncio.run(main()) is False
+    assert engine.num_waiting == 0 and engine.block_manager.num_used_pages == 0
+
+
 @pytest.mark.slow
 def test_fp8_pages_carry_their_scales(model_dir, prompt_ids):
     from tests.engine.conftest import make_engine
