@@ -48,6 +48,13 @@ class _WorkerCollector:
         fam.add_metric(self.values + list(extra.values()), value)
         return fam
 
+    def _counters(self, name: str, doc: str, label: str, rows: dict[str, float]):
+        """One counter family with a sample per value of ``label``."""
+        fam = CounterMetricFamily(name, doc, labels=[*self.names, label])
+        for key, value in rows.items():
+            fam.add_metric([*self.values, key], value)
+        return fam
+
     def collect(self):
         w = self.worker
         engine = w.engine
@@ -76,12 +83,10 @@ class _WorkerCollector:
         # updates, and a counter must never decrease.
         yield self._family(c, "kvbus_engine_prompt_tokens", "Prompt tokens of finished requests.",
                            st.num_prompt_tokens)
-        hits = CounterMetricFamily("kvbus_engine_prefix_cache_hit_tokens",
-                                   "Prompt tokens not computed: found in L1 (tier=device) or loaded back from "
-                                   "HiCache (tier=host, L3 promotions included).", labels=[*self.names, "tier"])
-        hits.add_metric([*self.values, "device"], st.num_cached_device_tokens)
-        hits.add_metric([*self.values, "host"], st.num_cached_host_tokens)
-        yield hits
+        yield self._counters("kvbus_engine_prefix_cache_hit_tokens",
+                             "Prompt tokens not computed: found in L1 (tier=device) or loaded back from "
+                             "HiCache (tier=host, L3 promotions included).", "tier",
+                             {"device": st.num_cached_device_tokens, "host": st.num_cached_host_tokens})
         if hasattr(w, "transfer_bytes"):  # a decode worker: KV received from prefill workers
             yield self._family(c, "kvbus_kv_transfer_received_bytes", "KV payload bytes received from prefill workers.",
                                w.transfer_bytes)
@@ -99,13 +104,10 @@ class _WorkerCollector:
         s = tier.stats
         yield self._family(g, "kvbus_hicache_attached", "1 while attached to the host's kv_store arena.",
                            int(tier.is_attached))
-        lookups = CounterMetricFamily("kvbus_hicache_lookups",
-                                      "Host-tier lookups of a request's pages missing from L1: result=hit loaded "
-                                      "at least one page, miss found fewer than hicache_min_load_pages.",
-                                      labels=[*self.names, "result"])
-        lookups.add_metric([*self.values, "hit"], s["hits"])
-        lookups.add_metric([*self.values, "miss"], s["misses"])
-        yield lookups
+        yield self._counters("kvbus_hicache_lookups",
+                             "Host-tier lookups of a request's pages missing from L1: result=hit loaded "
+                             "at least one page, miss found fewer than hicache_min_load_pages.",
+                             "result", {"hit": s["hits"], "miss": s["misses"]})
         yield self._family(c, "kvbus_hicache_written_back_pages",
                            "Pages copied to the host tier (write-back and write-through, the sync ones included).",
                            s["written_back"])
@@ -129,18 +131,11 @@ class _WorkerCollector:
                            tier.num_leased)
         link = getattr(tier.link, "stats", None)
         if link is not None:  # a kv_store on another host: pages moved by value
-            remote = CounterMetricFamily("kvbus_hicache_remote_pages",
-                                         "Pages moved to (sent) or from (received) a kv_store on another host.",
-                                         labels=[*self.names, "direction"])
-            remote.add_metric([*self.values, "sent"], link["pages_sent"])
-            remote.add_metric([*self.values, "received"], link["pages_received"])
-            yield remote
-            remote_bytes = CounterMetricFamily("kvbus_hicache_remote_bytes",
-                                               "Bytes moved to (sent) or from (received) a kv_store on another host.",
-                                               labels=[*self.names, "direction"])
-            remote_bytes.add_metric([*self.values, "sent"], link["bytes_sent"])
-            remote_bytes.add_metric([*self.values, "received"], link["bytes_received"])
-            yield remote_bytes
+            for unit in ("pages", "bytes"):
+                yield self._counters(f"kvbus_hicache_remote_{unit}",
+                                     f"{unit.capitalize()} moved to (sent) or from (received) a kv_store on another "
+                                     "host.", "direction",
+                                     {"sent": link[f"{unit}_sent"], "received": link[f"{unit}_received"]})
             yield self._family(c, "kvbus_hicache_remote_failed",
                                "Puts of pages and fetches to a kv_store on another host that failed (the pages "
                                "stay local or are recomputed).", link["put_failed"] + link["fetch_failed"])

@@ -9,33 +9,24 @@ output token for token, its prefix not recomputed.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 import uuid
 
 import pytest
 
 from bus.nats_transport import BusConfig, connect
-from bus.subjects import WORKER_GENERATE
 from schemas.engine import SamplingParams
-from schemas.worker import WorkerGenerateRequest
 from services.kv_store.actor import KVStoreActor
 from services.kv_store.config import KVStoreConfig
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
+from tests.streaming import worker_tokens
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(21).randrange(100, 20000) for _ in range(150)]  # 9 full pages + 6 tokens
 
-
-async def wait_for(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_pages_cross_hosts_through_a_real_nats_server(nats_url, model_dir):
@@ -64,12 +55,7 @@ async def test_pages_cross_hosts_through_a_real_nats_server(nats_url, model_dir)
         client = buses[0]
 
         async def generate(worker_id):
-            req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=GREEDY)
-            out = []
-            async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
-                async for chunk in chunks:
-                    out += chunk.token_ids
-            return out
+            return await worker_tokens(client, worker_id, PROMPT, GREEDY)
 
         assert await generate(b.worker_id) == reference
         await wait_for(lambda: store.core.index.num_stored >= 9, what=f"pages put into the store {b.tier.link.stats} {b.tier.stats}")

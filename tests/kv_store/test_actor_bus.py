@@ -8,34 +8,25 @@ recomputing) until a new one starts, when hits resume.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
-import uuid
 
 import pytest
 
 from bus.memory import MemoryNetwork, memory_bus
-from bus.subjects import KV_EVENTS, KV_EVENTS_DUMP, WORKER_GENERATE
+from bus.subjects import KV_EVENTS, KV_EVENTS_DUMP
 from schemas.engine import SamplingParams
 from schemas.kv_store import KVDumpRequest
-from schemas.worker import WorkerGenerateRequest
 from services.kv_store.actor import KVStoreActor
 from services.kv_store.config import KVStoreConfig
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
+from tests.streaming import worker_tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(7).randrange(100, 20000) for _ in range(70)]  # 4 full pages + 6 tokens
 
-
-async def wait_for(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +80,7 @@ async def system(config):
 
 async def generate(client, worker_id: str, prompt: list[int] = PROMPT, **fields) -> list[int]:
     """Greedy tokens of ``prompt`` streamed from ``worker_id``; ``fields``: more WorkerGenerateRequest fields."""
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=GREEDY, **fields)
-    out: list[int] = []
-    async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
-        async for chunk in chunks:
-            out += chunk.token_ids
-    return out
+    return await worker_tokens(client, worker_id, prompt, GREEDY, **fields)
 
 
 async def test_pages_from_one_worker_load_in_another_with_kv_events(system, reference):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import numpy as np
@@ -26,6 +25,7 @@ from services.natsd import free_port
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
 from tests.kv_store.test_actor_bus import generate as stream_greedy
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 PROMPT = [random.Random(11).randrange(10, 300) for _ in range(70)]  # 4 full pages of 16 + 6 tokens
@@ -48,13 +48,6 @@ async def scrape(url: str) -> dict[tuple[str, tuple], float]:
         assert r.status_code == 200, r.text
         return samples(r.text)
 
-
-async def wait_for(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def worker_config(tiny_model, policy: str) -> WorkerConfig:

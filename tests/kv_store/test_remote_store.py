@@ -9,9 +9,7 @@ leaves them serving by recomputing until a new one starts.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 import uuid
 
 import numpy as np
@@ -20,28 +18,22 @@ import torch
 
 from bus.errors import InvalidArgument
 from bus.memory import MemoryNetwork, memory_bus
-from bus.subjects import KV_STORE_ATTACH, KV_STORE_FETCH, KV_STORE_OFFER, KV_STORE_PUT, WORKER_GENERATE
+from bus.subjects import KV_STORE_ATTACH, KV_STORE_FETCH, KV_STORE_OFFER, KV_STORE_PUT
 from schemas.engine import SamplingParams
 from schemas.kv_store import KVStoreAttachRequest, KVStoreFetchRequest, KVStoreOfferRequest, KVStorePutRequest
-from schemas.worker import WorkerGenerateRequest
 from services.kv_store.actor import KVStoreActor
 from services.kv_store.config import KVStoreConfig
 from services.transfer import KVReceiver, KVSender
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
+from tests.streaming import worker_tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 STORE_HOST = "host-a"
 PB, PS = 50_000, 4  # page bytes, tokens per page
 MAX_PAYLOAD = 64 * 1024  # every page crosses in several chunks
 
-
-async def wait_for(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def pages(seed: int, n: int) -> np.ndarray:
@@ -190,12 +182,7 @@ async def system(config):
 
 
 async def generate(client, worker_id: str, prompt: list[int] = PROMPT) -> list[int]:
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=GREEDY)
-    out: list[int] = []
-    async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
-        async for chunk in chunks:
-            out += chunk.token_ids
-    return out
+    return await worker_tokens(client, worker_id, prompt, GREEDY)
 
 
 async def test_pages_written_back_on_one_host_load_on_another(system, reference):
