@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 MAX_REMOTE_PAGES = 1024
 """Most pages one offer or fetch of a remote engine may name."""
+MAX_OFFERS = 256
+"""Most offers awaiting their put at once (each holds its pages' metadata until put or expiry)."""
 
 
 class KVStoreActor(Actor):
@@ -178,6 +180,8 @@ class KVStoreActor(Actor):
             wanted = [i for i, h in enumerate(req.page_hashes) if self.core.index.get(h) is None]
         if not wanted:
             return KVStoreOfferReply(wanted=[])
+        if len(self._offers) >= MAX_OFFERS:  # a flood of offers never put: refuse, hold nothing more
+            raise Unavailable(f"kv_store: {len(self._offers)} offers await their pages; offer again later")
         tid = uuid.uuid4().hex
         target = self.receiver.expect(tid, sender_host_id=req.sender_host_id, sender_backends=("nats",))
         self._offers[tid] = (req.worker_id, [req.page_hashes[i] for i in wanted],

@@ -128,6 +128,20 @@ async def test_bad_offers_and_puts_get_clear_errors_and_store_nothing(store_and_
     store.core.index.check()
 
 
+async def test_offers_never_put_are_bounded(store_and_engine, monkeypatch):
+    from bus.errors import Unavailable
+    from services.kv_store import actor as actor_mod
+
+    store, bus, _, _ = store_and_engine
+    monkeypatch.setattr(actor_mod, "MAX_OFFERS", 2)
+    offer = dict(worker_id="eng", layout_key="L", parent_hashes=[0], token_ids=[[1, 2, 3, 4]], sender_host_id="host-b")
+    for h in (1, 2):
+        await bus.request(KV_STORE_OFFER, KVStoreOfferRequest(page_hashes=[h], **offer), host_id=STORE_HOST)
+    with pytest.raises(Unavailable, match="offers await"):
+        await bus.request(KV_STORE_OFFER, KVStoreOfferRequest(page_hashes=[3], **offer), host_id=STORE_HOST)
+    assert len(store._offers) == 2 and store.receiver.num_expected == 2
+
+
 # ---- two engine workers on other hosts ---------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
