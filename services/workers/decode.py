@@ -172,5 +172,6 @@ class DecodeActor(WorkerActor):
                 "prefill_failures": str(self.num_prefill_failures),
                 "transfer_bytes": str(self.transfer_bytes), "transfer_pages": str(self.transfer_pages),
                 "transfer_pages_skipped": str(self.transfer_pages_skipped),
+                "last_transfer_s": f"{self.last_transfer_s:.4f}",
                 "import_gaps": str(self.engine.scheduler.num_import_gaps),
                 **{f"transfers_{name}": str(n) for name, n in self.num_transfers.items()}}

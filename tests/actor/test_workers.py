@@ -153,6 +153,7 @@ async def test_only_the_pages_the_decode_worker_lacks_cross(system, reference, r
     assert await generate(client, "prefill-0", prompt=turn2) == reference_turn2
     num_skipped = decode.transfer_pages_skipped - skipped
     assert num_skipped >= 5  # turn 1's 88 computed tokens: 5 full pages
+    assert float(decode.health_detail()["last_transfer_s"]) > 0  # the pages' trip after the first token
     assert decode.transfer_pages - sent == 9 - num_skipped
     page_bytes = (decode.transfer_bytes - nbytes) // (9 - num_skipped)
 
