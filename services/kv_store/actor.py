@@ -208,7 +208,8 @@ class KVStoreActor(Actor):
                        for i, (h, p, t) in enumerate(zip(hashes, parents, tokens)))
 
         stored = await asyncio.to_thread(store)
-        self.core.counters["remote_in"] += len(hashes)
+        with self.core.lock:  # the counters are read under it (metrics)
+            self.core.counters["remote_in"] += len(hashes)
         return KVStorePutReply(stored=stored)
 
     async def handle_fetch(self, req: KVStoreFetchRequest) -> KVStoreFetchReply:
@@ -218,7 +219,8 @@ class KVStoreActor(Actor):
         if not tokens:
             return KVStoreFetchReply(page_hashes=[], parent_hashes=[], token_ids=[])
         descriptor = await self.sender.send(req.target, torch.from_numpy(np.ascontiguousarray(data)))
-        self.core.counters["remote_out"] += len(tokens)
+        with self.core.lock:
+            self.core.counters["remote_out"] += len(tokens)
         return KVStoreFetchReply(page_hashes=list(req.page_hashes[: len(tokens)]), parent_hashes=parents,
                                  token_ids=tokens, transfer=descriptor)
 

@@ -34,10 +34,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from services.kv_store.config import KVStoreConfig
+from services.kv_store.links import BusLink
 from services.kv_store.store import GB, StoreCore
 from services.transfer.payload import run_blocking
 
@@ -56,10 +56,11 @@ class RemoteLink:
     def __init__(self, bus, store_host_id: str, host_id: str, loop: asyncio.AbstractEventLoop, *,
                  staging_ratio: float = 0.5, timeout: float = 2.0, transfer_timeout: float = 30.0,
                  batch_pages: int = 32, max_queued: int = 4096, memory_reserve: float = 1.0):
-        self.bus, self.store_host, self.host_id, self.loop = bus, store_host_id, host_id, loop
+        # Metadata (attach, touches) goes to the store as from a same-host engine; pages go by value here.
+        self.store = BusLink(bus, store_host_id, loop, timeout=timeout)
+        self.store_host, self.host_id, self.loop = store_host_id, host_id, loop
         self.staging_ratio, self.timeout, self.transfer_timeout = staging_ratio, timeout, transfer_timeout
         self.batch_pages, self.max_queued, self.memory_reserve = batch_pages, max_queued, memory_reserve
-        self.healthy = False
         self.staging: StoreCore | None = None
         self.owner = ""
         self.layout_key = ""
@@ -70,30 +71,41 @@ class RemoteLink:
         self.stats = {k: 0 for k in ("pages_sent", "pages_offered", "pages_received", "bytes_sent", "bytes_received",
                                      "put_failed", "fetch_failed", "queue_dropped", "fetch_seconds")}
 
+    @property
+    def bus(self):
+        return self.store.bus
+
+    @bus.setter
+    def bus(self, bus) -> None:  # the worker hands the bus over once it has one
+        self.store.bus = bus
+
+    @property
+    def healthy(self) -> bool:
+        return self.store.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self.store.healthy = value
+
     # ---- attach ------------------------------------------------------------------------
 
     async def attach_async(self, *, owner, layout_key, page_bytes, page_size, pool_bytes, reset_leases=True):
-        from bus.subjects import KV_STORE_ATTACH
-        from schemas.kv_store import KVStoreAttachRequest
         from services.transfer import KVReceiver, KVSender
 
         if self.receiver is None:
             self.receiver = await KVReceiver.open(self.bus, f"{owner}-l2", self.host_id, "nats")
             self.sender = KVSender(self.bus, owner, self.host_id, backends=("nats",))
         try:
-            reply = await self.bus.request(
-                KV_STORE_ATTACH, KVStoreAttachRequest(worker_id=owner, layout_key=layout_key, page_bytes=page_bytes,
+            _, remote = await self.store.attach_async(owner=owner, layout_key=layout_key, page_bytes=page_bytes,
                                                       page_size=page_size, pool_bytes=pool_bytes,
-                                                      reset_leases=reset_leases),
-                timeout=self.timeout, host_id=self.store_host)
+                                                      reset_leases=reset_leases)
         except Exception:
             self.healthy = False
             raise
-        if reply.page_bytes != page_bytes or reply.page_size != page_size:
+        if remote.page_bytes != page_bytes or remote.page_size != page_size:
             self.healthy = False
-            raise ValueError(f"kv_store on {self.store_host} holds pages of {reply.page_bytes} B x {reply.page_size} "
-                             f"tokens; this engine's are {page_bytes} B x {page_size}")
-        self.healthy = True
+            raise ValueError(f"kv_store on {self.store_host} holds pages of {remote.page_bytes} B x "
+                             f"{remote.page_size} tokens; this engine's are {page_bytes} B x {page_size}")
         if self.staging is None:
             size = max(self.staging_ratio * pool_bytes, MIN_STAGING_PAGES * page_bytes)
             # One engine uses it: half of it may be leased ahead for write-back (a host's store allows 1/16).
@@ -129,27 +141,15 @@ class RemoteLink:
             self._call(self._enqueue, stored)
 
     def touch(self, hashes) -> None:
-        from bus.subjects import KV_STORE_TOUCH
-        from schemas.kv_store import KVStoreTouchEvent
-
         if self.staging is not None:
             self.staging.touch(hashes)
-        self._call(self._spawn_publish, KV_STORE_TOUCH, KVStoreTouchEvent(page_hashes=list(hashes)))
+        self.store.touch(hashes)
 
     def _call(self, fn, *args) -> None:
         try:
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: the worker is stopping
             pass
-
-    def _spawn_publish(self, subject, event) -> None:
-        async def run():
-            try:
-                await self.bus.publish(subject, event, host_id=self.store_host)
-            except Exception as exc:
-                log.debug("kv_store %s publish failed: %s", subject.template, exc)
-
-        asyncio.ensure_future(run())
 
     # ---- write-back: staging -> store ----------------------------------------------------
 
@@ -176,31 +176,12 @@ class RemoteLink:
                 log.warning("write-back of %d pages to the kv_store on %s failed: %s", len(batch), self.store_host,
                             exc or type(exc).__name__)
 
-    def _read_staged(self, hashes: Sequence[int]):
-        """The pages of ``hashes`` still in staging, by value (verified reads)."""
-        core = self.staging
-        kept, parents, tokens, rows = [], [], [], []
-        with core.lock:
-            for h in hashes:
-                page = core.index.get(h) if core.index is not None else None
-                if page is None:
-                    continue
-                got, toks = core.arena.read_header(page.slot)
-                row = np.empty(core.arena.layout.page_bytes, dtype=np.uint8)
-                if got != h or not core.arena.read_into(page.slot, h, toks, row):
-                    continue
-                kept.append(h)
-                parents.append(page.parent_hash)
-                tokens.append(toks)
-                rows.append(row)
-        return kept, parents, tokens, rows
-
     async def _put(self, hashes: Sequence[int]) -> None:
         from bus.subjects import KV_STORE_OFFER, KV_STORE_PUT
         from schemas.kv_store import KVStoreOfferRequest, KVStorePutRequest
 
         page_bytes = self.staging.arena.layout.page_bytes
-        kept, parents, tokens, rows = await run_blocking(len(hashes) * page_bytes, self._read_staged, hashes)
+        kept, parents, tokens, rows = await run_blocking(len(hashes) * page_bytes, self.staging.read_stored, hashes)
         if not kept:
             return
         offer = await self.bus.request(KV_STORE_OFFER, KVStoreOfferRequest(
@@ -209,8 +190,7 @@ class RemoteLink:
         self.stats["pages_offered"] += len(kept)
         if not offer.wanted:
             return
-        payload = torch.from_numpy(await run_blocking(len(offer.wanted) * page_bytes, np.stack,
-                                                      [rows[i] for i in offer.wanted]))
+        payload = torch.from_numpy(rows if len(offer.wanted) == len(kept) else rows[offer.wanted])
         descriptor = await self.sender.send(offer.target, payload)
         await self.bus.request(KV_STORE_PUT, KVStorePutRequest(worker_id=self.owner, transfer=descriptor),
                                timeout=self.transfer_timeout, host_id=self.store_host)

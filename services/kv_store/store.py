@@ -226,21 +226,36 @@ class StoreCore:
             self.on_event("stored", "host", [page_hash], [parent_hash])
             return idx.get(page_hash)
 
+    def read_stored(self, page_hashes: Sequence[int]) -> tuple[list[int], list[int], list[list[int]], np.ndarray]:
+        """The pages of ``page_hashes`` that L2 holds, by value, each read verified (seqlock, hash);
+        the others are left out: ``(hashes, parent hashes, token ids, [n, page_bytes] uint8)``."""
+        with self.lock:
+            if self.index is None:
+                return [], [], [], np.empty((0, 0), dtype=np.uint8)
+            kept, parents, tokens = [], [], []
+            out = np.empty((len(page_hashes), self.arena.layout.page_bytes), dtype=np.uint8)
+            for h in page_hashes:
+                page = self.index.get(h)
+                if page is None:
+                    continue
+                got_hash, toks = self.arena.read_header(page.slot)
+                if got_hash != h or not self.arena.read_into(page.slot, h, toks, out[len(kept)]):
+                    continue
+                kept.append(h)
+                parents.append(page.parent_hash)
+                tokens.append(toks)
+            return kept, parents, tokens, out[: len(kept)]
+
     def read_pages(self, page_hashes: Sequence[int], max_pages: int) -> tuple[list[int], list[list[int]], np.ndarray]:
         """The leading pages of ``page_hashes`` that L2 holds (L3 hits promoted first), by value:
         ``(parent hashes, token ids, [n, page_bytes] uint8)``, each read verified (seqlock, hash)."""
         with self.lock:
-            found = self.lookup(list(page_hashes[:max_pages]))
-            parents, tokens = [], []
-            out = np.empty((len(found), self.arena.layout.page_bytes if self.arena else 0), dtype=np.uint8)
-            for i, (h, slot) in enumerate(found):
-                got_hash, toks = self.arena.read_header(slot)
-                if got_hash != h or not self.arena.read_into(slot, h, toks, out[i]):
-                    out = out[:i]
-                    break
-                parents.append(self.index.get(h).parent_hash)
-                tokens.append(toks)
-            return parents, tokens, out[: len(tokens)]
+            found = [h for h, _ in self.lookup(list(page_hashes[:max_pages]))]
+            kept, parents, tokens, data = self.read_stored(found)
+        n = 0  # the leading run: up to the first page that did not read back
+        while n < len(kept) and kept[n] == found[n]:
+            n += 1
+        return parents[:n], tokens[:n], data[:n]
 
     # ---- eviction ----------------------------------------------------------
 

@@ -19,19 +19,41 @@ pytestmark = pytest.mark.skipif(not __import__("kernels.native", fromlist=["x"])
 
 
 class Recorder:
-    """Wraps LlamaModel.forward to keep every step's logits and whether the stack served it."""
+    """Wraps LlamaModel.forward to keep every step's logits and whether the native stack served it
+    (counted where the op is called: ``kernels.native.ops().decode_layers``)."""
 
     def __init__(self, model, fused: bool):
-        self.model, self.steps = model, []
+        from kernels import native
+
+        self.model, self.steps, self.stack_calls = model, [], 0
         if not fused:
             model._stack = None  # the per-op loop only
         self.forward = model.forward
         model.forward = self
+        self.native, self.ops = native, native.ops
+        recorder = self
+
+        class CountingOps:
+            def __getattr__(self, name):
+                op = getattr(recorder.ops(), name)
+                if name != "decode_layers":
+                    return op
+
+                def counted(*args):
+                    recorder.stack_calls += 1
+                    return op(*args)
+
+                return counted
+
+        native.ops = CountingOps
+
+    def restore(self) -> None:
+        self.native.ops = self.ops
 
     def __call__(self, input_ids, positions, meta, logits_indices):
+        before = self.stack_calls
         logits = self.forward(input_ids, positions, meta, logits_indices)
-        stacked = meta.num_decode_tokens == input_ids.shape[0] <= 12 and self.model._stack is not None
-        self.steps.append((input_ids.shape[0], stacked, logits.clone()))
+        self.steps.append((input_ids.shape[0], self.stack_calls > before, logits.clone()))
         return logits
 
 
@@ -39,7 +61,10 @@ def run(model_dir, fused: bool, prompts, max_tokens=6):
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=0.05,
                                     load_tokenizer=False, max_running_requests=16))
     rec = Recorder(engine.model, fused)
-    outs = engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    try:
+        outs = engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        rec.restore()
     return [o.token_ids for o in outs], rec.steps
 
 
