@@ -2,6 +2,7 @@
 
     python -m bench.step_split                 # native CPU kernels, then the previous path, ~3 min
     python -m bench.step_split --no-baseline   # only the current path
+    python -m bench.step_split --stack-vs-loop # the native decode stack against the per-op loop, ~1 min
 
 For each batch (1 x 128, 8 x 256 and 4 x 3000 tokens of context) the in-process engine (fp32,
 SmolLM2-135M) runs decode steps under torch's profiler; op times are grouped into weights (the
@@ -10,6 +11,10 @@ reference's gather/mask/bmm ops) and the rest. The floor is the bytes a step mus
 weight once, plus the context's K and V once) over the read bandwidth measured here (a 1 GiB
 sum on every core). The previous path is the same engine with ``KVBUS_NATIVE=0`` (oneDNN weights,
 torch reference attention), run in a child process so the two never share a process.
+
+``--stack-vs-loop``: the same engine and batches, decode steps alternating between the native
+decode stack (every layer in one ``kvbus_cpu::decode_layers`` call) and the per-op loop it
+replaced (8 rounds of 6 steps each way; medians), in one process.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ def measure(steps: int) -> dict:
     import torch
     from torch.profiler import profile
 
-    from schemas.engine import SamplingParams
     from services.engine import EngineConfig, LLMEngine
 
     eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
@@ -44,14 +48,7 @@ def measure(steps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     out = {"bandwidth": read_bandwidth(), "weight_bytes": weight_bytes, "cases": []}
     for batch, ctx in CASES:
-        ids = [f"{batch}x{ctx}-{i}" for i in range(batch)]
-        for rid in ids:
-            prompt = torch.randint(100, mc.vocab_size - 100, (ctx,), generator=gen).tolist()
-            eng.add_request(rid, prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
-        while eng._mailbox or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng._seqs.values()):
-            eng.step()
-        for _ in range(3):
-            eng.step()
+        ids = start_decoding(eng, batch, ctx, gen)
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -81,6 +78,59 @@ def measure(steps: int) -> dict:
     return out
 
 
+def start_decoding(eng, batch: int, ctx: int, gen) -> list[str]:
+    """``batch`` requests of ``ctx`` random prompt tokens, prefilled and a few steps into decoding."""
+    import torch
+
+    from schemas.engine import SamplingParams
+
+    ids = [f"{batch}x{ctx}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = torch.randint(100, eng.model_config.vocab_size - 100, (ctx,), generator=gen).tolist()
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while eng._mailbox or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng._seqs.values()):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    return ids
+
+
+def stack_vs_loop(rounds: int = 8, steps: int = 6) -> None:
+    import statistics
+
+    import torch
+
+    from bench.common import machine, table
+    from services.engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
+    stack = eng.model.decode_stack()
+    if stack is None:
+        raise SystemExit("the native decode stack cannot serve this engine (native kernels not built?)")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, ctx in CASES:
+        ids = start_decoding(eng, batch, ctx, gen)
+        medians = {True: [], False: []}
+        for _ in range(rounds):
+            for use_stack in (True, False):
+                eng.model._stack = stack if use_stack else None
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    times.append(time.perf_counter() - t0)
+                medians[use_stack].append(statistics.median(times))
+        eng.model._stack = stack
+        a, b = statistics.median(medians[True]), statistics.median(medians[False])
+        rows.append([f"{batch} x {ctx}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{a / b:.2f}x"])
+        for rid in ids:
+            eng.abort(rid)
+        eng.step()
+    print(f"machine: {machine()}")
+    print(table(rows, ["batch x context", "stack step ms", "loop step ms", "stack / loop"]))
+
+
 def projection_bytes(mc) -> int:
     """float32 bytes of every projection a decode step reads (qkv, o, gate_up, down, lm_head)."""
     h, d, i = mc.hidden_size, mc.head_dim, mc.intermediate_size
@@ -101,8 +151,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--stack-vs-loop", action="store_true",
+                        help="the native decode stack against the per-op loop, alternating in one process")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stack_vs_loop:
+        stack_vs_loop()
+        return
     if args.child:
         print(json.dumps(measure(args.steps)))
         return
