@@ -33,7 +33,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch):
         """Packed ids, positions, attention metadata, and which rows sample."""
         ps = self.page_size
-        nd = batch.num_decode
+        nd = batch.num_decode  # decode sequences; their rows (1 + drafts each) come first
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -57,7 +57,7 @@ class ModelRunner:
                     seq_lens.append(p + j + 1)
                     sampling_rows.append(len(sampling_rows))
                     tables.append(seq.page_ids)
-            nd = meta.num_decode_tokens = len(input_ids)
+            meta.num_decode_tokens = len(input_ids)
             sampling_seqs.extend(decode)
             meta.decode_block_tables = _block_table(tables, dev)
             meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
@@ -73,12 +73,14 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
                 seq_lens.append(end)
                 if end == seq.num_tokens:  # prompt complete: its last row samples
-                    sampling_rows.append(nd + cu[-1] - 1)
+                    sampling_rows.append(meta.num_decode_tokens + cu[-1] - 1)
                     sampling_seqs.append(seq)
             meta.prefill_block_tables = _block_table([s.page_ids for s in prefill], dev)
             meta.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
             meta.prefill_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
             meta.prefill_max_seqlen_q = max(batch.num_new_tokens[nd:])
+        if len(input_ids) != batch.num_tokens:  # every scheduled token is computed, or the step fails
+            raise RuntimeError(f"prepared {len(input_ids)} rows for a batch of {batch.num_tokens} tokens")
         meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)

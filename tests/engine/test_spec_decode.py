@@ -196,6 +196,53 @@ def test_stops_apply_to_accepted_tokens_one_by_one(engine, spec_engine, tokenize
     _assert_idle(spec_engine)
 
 
+def _staggered(engine, first, second, params, join_after=4, max_steps=200):
+    """``first`` decodes alone for ``join_after`` steps, then ``second`` arrives: its prefill shares
+    steps with ``first``'s decode rows. Returns each request's tokens and the batches scheduled."""
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        batches.append([(s.request_id, n, s.is_decoding) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        return batch
+
+    engine.scheduler.schedule = recording
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    try:
+        engine.add_request("a", first, params)
+        for step in range(max_steps):
+            if step == join_after:
+                engine.add_request("b", second, params)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            if step > join_after and not engine.has_unfinished():
+                break
+        else:
+            for rid in ("a", "b"):
+                engine.abort(rid)
+            engine.step()
+            raise AssertionError(f"not done after {max_steps} steps: {batches[-3:]}")
+    finally:
+        engine.scheduler.schedule = schedule
+    return tokens, batches
+
+
+def test_prefill_shares_a_step_with_verification_rows(engine, spec_engine, tokenizer):
+    """A prompt admitted while another sequence verifies drafts is computed in that mixed step
+    (the verifying rows come first, 1 + k per sequence) and samples its first token there."""
+    first = tokenizer.encode(EXTRA_TEXTS[0])  # copies code: drafts accepted from its first steps
+    second = tokenizer.encode(EXTRA_TEXTS[2])
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    plain, _ = _staggered(engine, first, second, params)
+    spec, batches = _staggered(spec_engine, first, second, params)
+    mixed = [b for b in batches if any(n > 1 and d for _, n, d in b) and any(not d for _, _, d in b)]
+    assert mixed, "no step verified drafts while another prompt prefilled"
+    assert spec == plain
+    assert len(spec["b"]) == 30
+    _assert_idle(spec_engine)
+
+
 class _Recorder(CacheTierHooks):
     """A write-through tier that records every page the block manager offers it (stored or
     written back); it holds nothing, so nothing is ever loaded back."""
