@@ -350,20 +350,100 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
 // S[j] += K[j][d] (a broadcast) * Qt[d]. Per row it is the row path's arithmetic, bit for bit:
 // the same tiles, the same fma chains over d and over j, the same order of the tile's sum
 // (tree_sum32), the same exp; so a row's result never depends on how many rows share its task.
+// Up to GROUPS_MAX groups go through S = Q.K^T and P.V together: each broadcast K or V element
+// then feeds GROUPS_MAX FMAs (one group a time, the loop issued about one load per FMA; with
+// two, the extend attention of a 3,000-token context ran ~10% faster, with three it spilled). A group
+// that sees fewer of the tile's keys than its neighbours gets weights 0 for the rest (and
+// alpha 1 when it sees none): fma(0, v, a) == a, so its rows keep their own arithmetic.
 constexpr int LANES = 16;
+constexpr int GROUPS_MAX = 2;
 
 inline int lane_rows(int R) { return (R + LANES - 1) / LANES * LANES; }
+
+// S_b[j] = Q_b . K[j] for keys [0, jmax) of the tile and NB groups b (S_b = S + b * TN * L).
+template <int NB, int D>
+inline void scores_block(const float* const* krow, const float* zero, int jmax, const float* const* qt, float* S) {
+  constexpr int L = LANES, JK = 8, TN = TILE_WIDE;
+  for (int j0 = 0; j0 < jmax; j0 += JK) {
+    const float* kr[JK];
+    for (int jj = 0; jj < JK; ++jj) kr[jj] = j0 + jj < jmax ? krow[j0 + jj] : zero;
+    __m512 s[NB][JK];
+    for (int b = 0; b < NB; ++b)
+      for (int jj = 0; jj < JK; ++jj) s[b][jj] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      __m512 qv[NB];
+      for (int b = 0; b < NB; ++b) qv[b] = _mm512_loadu_ps(qt[b] + d * L);
+      for (int jj = 0; jj < JK; ++jj) {
+        const __m512 kb = _mm512_set1_ps(kr[jj][d]);
+        for (int b = 0; b < NB; ++b) s[b][jj] = _mm512_fmadd_ps(kb, qv[b], s[b][jj]);
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      for (int jj = 0; jj < JK && j0 + jj < jmax; ++jj) _mm512_storeu_ps(S + b * TN * L + (j0 + jj) * L, s[b][jj]);
+  }
+}
+
+// at_b = at_b * alpha_b + sum over keys [0, jmax) of P_b[j] * V[j], NB groups, DC dims at a time.
+template <int NB, int D>
+inline void values_block(const float* const* vrow, int jmax, const float* S, const __m512* alpha, float* const* at) {
+  constexpr int L = LANES, DC = 16, TN = TILE_WIDE;
+  for (int d0 = 0; d0 < D; d0 += DC) {
+    __m512 a[NB][DC];
+    for (int b = 0; b < NB; ++b)
+      for (int k = 0; k < DC; ++k) a[b][k] = _mm512_mul_ps(_mm512_loadu_ps(at[b] + (d0 + k) * L), alpha[b]);
+    for (int j = 0; j < jmax; ++j) {
+      __m512 pv[NB];
+      for (int b = 0; b < NB; ++b) pv[b] = _mm512_loadu_ps(S + b * TN * L + j * L);
+      const float* v = vrow[j] + d0;
+      for (int k = 0; k < DC; ++k) {
+        const __m512 vb = _mm512_set1_ps(v[k]);
+        for (int b = 0; b < NB; ++b) a[b][k] = _mm512_fmadd_ps(vb, pv[b], a[b][k]);
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      for (int k = 0; k < DC; ++k) _mm512_storeu_ps(at[b] + (d0 + k) * L, a[b][k]);
+  }
+}
+
+// One group alone: compiled out of line (inlined into the dispatch, GCC's code for it ran at
+// half the speed).
+template <int D>
+__attribute__((noinline)) void scores_one(const float* const* krow, const float* zero, int jmax, const float* const* qt, float* S) {
+  scores_block<1, D>(krow, zero, jmax, qt, S);
+}
+
+template <int D>
+__attribute__((noinline)) void values_one(const float* const* vrow, int jmax, const float* S, const __m512* alpha, float* const* at) {
+  values_block<1, D>(vrow, jmax, S, alpha, at);
+}
+
+template <int D>
+inline void scores_groups(int nb, const float* const* krow, const float* zero, int jmax, const float* const* qt, float* S) {
+  switch (nb) {
+    case 1: scores_one<D>(krow, zero, jmax, qt, S); break;
+    default: scores_block<2, D>(krow, zero, jmax, qt, S); break;
+  }
+}
+
+template <int D>
+inline void values_groups(int nb, const float* const* vrow, int jmax, const float* S, const __m512* alpha, float* const* at) {
+  switch (nb) {
+    case 1: values_one<D>(vrow, jmax, S, alpha, at); break;
+    default: values_block<2, D>(vrow, jmax, S, alpha, at); break;
+  }
+}
 
 template <typename KV, int D>
 void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, const int* limits, int R, int k0,
                   int k1, float* acc_all, float* m_all, float* l_all, float* scratch) {
-  constexpr int TN = TILE_WIDE, L = LANES, JC = 16, DC = 16;
+  constexpr int TN = TILE_WIDE, L = LANES;
+  static_assert(GROUPS_MAX == 2, "scores_groups / values_groups dispatch up to 2 groups");
   const int groups = lane_rows(R) / L;
   const int64_t group_floats = static_cast<int64_t>(D) * L;
   float* K = scratch;                                     // [TN, D] converted rows (non-fp32 caches)
   float* V = K + TN * D;                                  // [TN, D]
-  float* S = V + TN * D;                                  // [TN, L] scores, then weights
-  float* zero = S + TN * L;                               // [D] a key row for a chunk's missing keys
+  float* S = V + TN * D;                                  // [GROUPS_MAX, TN, L] scores, then weights
+  float* zero = S + GROUPS_MAX * TN * L;                  // [D] a key row for a chunk's missing keys
   float* Qt = zero + D;                                   // [nh, groups, D, L]
   float* At = Qt + nh * groups * group_floats;            // [nh, groups, D, L] accumulators
   float* Mv = At + nh * groups * group_floats;            // [nh, groups, L]
@@ -390,65 +470,67 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
     const int n = walk.next(t0);
     for (int hi = 0; hi < nh; ++hi) {
       walk.rows(h0 + hi, K, V);
-      for (int g = 0; g < groups; ++g) {
-        int jmax = 0;  // keys of this tile any lane of the group sees
-        for (int i = 0; i < L; ++i) jmax = std::max(jmax, lim[g * L + i] - t0);
-        jmax = std::min(jmax, n);
+      for (int g0 = 0; g0 < groups; g0 += GROUPS_MAX) {
+        const int nb = std::min(GROUPS_MAX, groups - g0);
+        int jm[GROUPS_MAX];  // keys of this tile any lane of each group sees
+        int jmax = 0;        // ... and of the block
+        for (int bi = 0; bi < nb; ++bi) {
+          int j = 0;
+          for (int i = 0; i < L; ++i) j = std::max(j, lim[(g0 + bi) * L + i] - t0);
+          jm[bi] = std::min(j, n);
+          jmax = std::max(jmax, jm[bi]);
+        }
         if (jmax <= 0) continue;
-        const int64_t gi = hi * groups + g;
-        const float* qt = Qt + gi * group_floats;
-        // S = Q.K^T, JC keys at a time (JC register accumulators, one fma per key and d)
-        for (int j0 = 0; j0 < jmax; j0 += JC) {
-          const float* kr[JC];
-          for (int jj = 0; jj < JC; ++jj) kr[jj] = j0 + jj < jmax ? walk.krow[j0 + jj] : zero;
-          __m512 s[JC];
-          for (int jj = 0; jj < JC; ++jj) s[jj] = _mm512_setzero_ps();
-          for (int d = 0; d < D; ++d) {
-            const __m512 qv = _mm512_loadu_ps(qt + d * L);
-            for (int jj = 0; jj < JC; ++jj) s[jj] = _mm512_fmadd_ps(_mm512_set1_ps(kr[jj][d]), qv, s[jj]);
-          }
-          for (int jj = 0; jj < JC && j0 + jj < jmax; ++jj) _mm512_storeu_ps(S + (j0 + jj) * L, s[jj]);
+        const int64_t gi0 = hi * groups + g0;
+        const float* qt[GROUPS_MAX];
+        float* at[GROUPS_MAX];
+        __m512 alpha[GROUPS_MAX];
+        for (int bi = 0; bi < nb; ++bi) {
+          qt[bi] = Qt + (gi0 + bi) * group_floats;
+          at[bi] = At + (gi0 + bi) * group_floats;
         }
-        // online softmax across the tile, lane-wise; a lane whose row sees none of it is unchanged
-        const __m512i rel = _mm512_sub_epi32(_mm512_loadu_si512(lim + g * L), _mm512_set1_epi32(t0));
-        const __mmask16 any = _mm512_cmpgt_epi32_mask(rel, _mm512_setzero_si512());
-        float* mp = Mv + gi * L;
-        float* lp = Lv + gi * L;
-        const __m512 m_old = _mm512_loadu_ps(mp);
-        __m512 mx = m_old;
-        for (int j = 0; j < jmax; ++j)
-          mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), mx, _mm512_loadu_ps(S + j * L));
-        const __m512 alpha = _mm512_mask_blend_ps(any, one, exp512(_mm512_sub_ps(m_old, mx)));
-        __m512 w[TN];
-        for (int j = 0; j < TN; ++j) {
-          if (j < jmax) {
-            const __mmask16 vis = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j));
-            w[j] = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + j * L), mx)));
-            _mm512_storeu_ps(S + j * L, w[j]);
-          } else {
-            w[j] = _mm512_setzero_ps();
+        scores_groups<D>(nb, walk.krow, zero, jmax, qt, S);
+        for (int bi = 0; bi < nb; ++bi) {
+          float* Sb = S + bi * TN * L;
+          const int jg = jm[bi];
+          if (jg <= 0) {  // no lane of this group sees the tile: weights 0, nothing rescaled
+            for (int j = 0; j < jmax; ++j) _mm512_storeu_ps(Sb + j * L, _mm512_setzero_ps());
+            alpha[bi] = one;
+            continue;
           }
-        }
-        // the tile's sum in tree_sum32's order
-        for (int j = 0; j < 16; ++j) w[j] = _mm512_add_ps(w[j], w[j + 16]);
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_add_ps(w[j], w[j + 8]);
-        for (int j = 0; j < 4; ++j) w[j] = _mm512_add_ps(w[j], w[j + 4]);
-        for (int j = 0; j < 2; ++j) w[j] = _mm512_add_ps(w[j], w[j + 2]);
-        const __m512 sum = _mm512_add_ps(w[0], w[1]);
-        _mm512_storeu_ps(lp, _mm512_mask_blend_ps(any, _mm512_loadu_ps(lp), _mm512_fmadd_ps(_mm512_loadu_ps(lp), alpha, sum)));
-        _mm512_storeu_ps(mp, _mm512_mask_blend_ps(any, m_old, mx));
-        // acc = acc * alpha + P.V, DC dims at a time (DC register accumulators)
-        float* at = At + gi * group_floats;
-        for (int d0 = 0; d0 < D; d0 += DC) {
-          __m512 a[DC];
-          for (int k = 0; k < DC; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(at + (d0 + k) * L), alpha);
-          for (int j = 0; j < jmax; ++j) {
-            const __m512 pv = _mm512_loadu_ps(S + j * L);
-            const float* v = walk.vrow[j] + d0;
-            for (int k = 0; k < DC; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[k]), pv, a[k]);
+          const int* lg = lim + (g0 + bi) * L;
+          // online softmax across the tile, lane-wise; a lane whose row sees none of it is unchanged
+          const __m512i rel = _mm512_sub_epi32(_mm512_loadu_si512(lg), _mm512_set1_epi32(t0));
+          const __mmask16 any = _mm512_cmpgt_epi32_mask(rel, _mm512_setzero_si512());
+          float* mp = Mv + (gi0 + bi) * L;
+          float* lp = Lv + (gi0 + bi) * L;
+          const __m512 m_old = _mm512_loadu_ps(mp);
+          __m512 mx = m_old;
+          for (int j = 0; j < jg; ++j)
+            mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), mx, _mm512_loadu_ps(Sb + j * L));
+          alpha[bi] = _mm512_mask_blend_ps(any, one, exp512(_mm512_sub_ps(m_old, mx)));
+          __m512 w[TN];
+          for (int j = 0; j < TN; ++j) {
+            if (j < jg) {
+              const __mmask16 vis = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j));
+              w[j] = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(_mm512_loadu_ps(Sb + j * L), mx)));
+              _mm512_storeu_ps(Sb + j * L, w[j]);
+            } else {
+              w[j] = _mm512_setzero_ps();
+              if (j < jmax) _mm512_storeu_ps(Sb + j * L, w[j]);  // keys only the block's other groups see
+            }
           }
-          for (int k = 0; k < DC; ++k) _mm512_storeu_ps(at + (d0 + k) * L, a[k]);
+          // the tile's sum in tree_sum32's order
+          for (int j = 0; j < 16; ++j) w[j] = _mm512_add_ps(w[j], w[j + 16]);
+          for (int j = 0; j < 8; ++j) w[j] = _mm512_add_ps(w[j], w[j + 8]);
+          for (int j = 0; j < 4; ++j) w[j] = _mm512_add_ps(w[j], w[j + 4]);
+          for (int j = 0; j < 2; ++j) w[j] = _mm512_add_ps(w[j], w[j + 2]);
+          const __m512 sum = _mm512_add_ps(w[0], w[1]);
+          _mm512_storeu_ps(lp, _mm512_mask_blend_ps(any, _mm512_loadu_ps(lp), _mm512_fmadd_ps(_mm512_loadu_ps(lp), alpha[bi], sum)));
+          _mm512_storeu_ps(mp, _mm512_mask_blend_ps(any, m_old, mx));
         }
+        // acc = acc * alpha + P.V for the block's groups at once
+        values_groups<D>(nb, walk.vrow, jmax, S, alpha, at);
       }
     }
   }
@@ -696,10 +778,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int max_rows = BLOCK_M * G * heads_per_group;
   const int64_t row_floats = static_cast<int64_t>(max_rows) * head_dim;
   // the tile scratch of either path: the row path's 3 x 32 x D + R x 32; the lanes path's
-  // 2 x 32 x D + 32 x 16 + D, then Q and acc transposed (2 x D per padded row), m and l, limits
+  // 2 x 32 x D + GROUPS_MAX x 32 x 16 + D, then Q and acc transposed (2 x D per padded row), m and l, limits
   const int64_t padded_rows = static_cast<int64_t>(heads_per_group) * ((BLOCK_M * G + 15) / 16 * 16);
   const int64_t scratch_floats = std::max<int64_t>(3 * 32 * head_dim + max_rows * 32,
-                                                   2 * 32 * head_dim + 32 * 16 + head_dim + padded_rows * (2 * head_dim + 3)) + 64;
+                                                   2 * 32 * head_dim + 2 * 32 * 16 + head_dim + padded_rows * (2 * head_dim + 3)) + 64;
   // partials: per split task, R rows of (acc[D], m, l)
   std::vector<float> partial(static_cast<size_t>(num_partials) * max_rows * (head_dim + 2));
   const Q_T* qp = q.data_ptr<Q_T>();
