@@ -2,14 +2,18 @@
 //
 //   decode_layers(h, input_norm[], post_norm[], qkv[], qkv_bias[], o[], o_bias[], gate_up[],
 //                 gate_up_bias[], down[], down_bias[], k_caches[], v_caches[], positions, cos_sin,
-//                 slot_mapping, block_tables, seq_lens, scale, eps, num_heads, num_kv_heads, intermediate)
+//                 slot_mapping, block_tables, cu_seqlens_q, seq_lens, scale, eps, num_heads, num_kv_heads,
+//                 intermediate)
 //       -> (h, residual)
 //
 //   h            [T, H] float32, the embedded tokens (T <= the packed GEMM's rows: one per sequence)
 //   *_norm[l]    [H] float32;  qkv[l], o[l], gate_up[l], down[l]: packed weights [ceil(N/16), K, 16]
 //   *_bias[l]    [N] float32, or an empty tensor for none
 //   k/v_caches[l] [num_pages, page_size, Hkv, D] float32 (written: this step's K and V)
-//   positions, slot_mapping [T] int64; block_tables [T, max_pages] int32; seq_lens [T] int32
+//   positions, slot_mapping [T] int64; block_tables [B, max_pages] int32; seq_lens [B] int32
+//   cu_seqlens_q  empty: one row per sequence (B = T); else [B + 1] int32: sequence b's rows (its last
+//                token and the drafts it verifies) are rows cu[b] .. cu[b+1] - 1, attended as one
+//                extend (paged_attention reads the sequence's KV once for all of them)
 //   returns the last layer's output and the residual stream, for the final norm
 //
 // A decode step of a small model is a few hundred small ops; from Python each costs a dispatch,
@@ -44,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::TensorList qkv_bias, at::TensorList o, at::TensorList o_bias, at::TensorList gate_up,
     at::TensorList gate_up_bias, at::TensorList down, at::TensorList down_bias, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, double eps, int64_t num_heads,
+    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale, double eps, int64_t num_heads,
     int64_t num_kv_heads, int64_t intermediate) {
   const size_t L = input_norm.size();
   TORCH_CHECK(L > 0 && post_norm.size() == L && qkv.size() == L && qkv_bias.size() == L && o.size() == L &&
@@ -66,7 +70,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   at::Tensor attn = at::empty({T, num_heads, D}, f32);
   at::Tensor gu = at::empty({T, 2 * inter}, f32);
   at::Tensor act = at::empty({T, inter}, f32);
-  const at::Tensor no_cu = at::empty({0}, block_tables.options());
   const at::Tensor q = qkv_out.narrow(1, 0, qs).view({T, num_heads, D});
   const at::Tensor k = qkv_out.narrow(1, qs, kvs).view({T, num_kv_heads, D});
   const at::Tensor v = qkv_out.narrow(1, qs + kvs, kvs).view({T, num_kv_heads, D});
@@ -94,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     }
     {
       KVBUS_SCOPE("kvbus_cpu::paged_attention");
-      ops::paged_attention(q_rot, k_caches[l], v_caches[l], block_tables, no_cu, seq_lens, scale, std::nullopt,
+      ops::paged_attention(q_rot, k_caches[l], v_caches[l], block_tables, cu_seqlens_q, seq_lens, scale, std::nullopt,
                            std::nullopt, attn);
     }
     {
@@ -128,7 +131,7 @@ TORCH_LIBRARY_FRAGMENT(kvbus_cpu, m) {
       "decode_layers(Tensor h, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, Tensor[] qkv_bias, "
       "Tensor[] o, Tensor[] o_bias, Tensor[] gate_up, Tensor[] gate_up_bias, Tensor[] down, Tensor[] down_bias, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, Tensor cos_sin, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, float scale, float eps, int num_heads, int num_kv_heads, "
+      "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale, float eps, int num_heads, int num_kv_heads, "
       "int intermediate) "
       "-> (Tensor, Tensor)");
 }

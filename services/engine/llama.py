@@ -28,19 +28,27 @@ from services.engine.linear import NATIVE_MAX_ROWS, CpuWeight, linear
 from services.engine.model_config import ModelConfig
 from services.engine.weights import LayerWeights, ModelWeights
 
+_NO_CU = torch.empty(0, dtype=torch.int32)  # decode_layers: a row per sequence
+
 
 @dataclass
 class AttentionMetadata:
     """Where a step's tokens go in the pool and what they attend to.
 
     The packed tokens are ``num_decode_tokens`` decode tokens (one per
-    sequence) followed by the prefill chunks; either part may be empty.
+    sequence, or 1 + k for a sequence verifying k drafts) followed by the
+    prefill chunks; either part may be empty.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None = None  # [Bd, P] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
+    # Set when some sequence verifies drafts: [Bd + 1] int32, sequence b's rows are
+    # cu[b] .. cu[b+1] - 1, attended as one extend (its KV read once for all of them, not once a
+    # row); decode_block_tables / decode_seq_lens are then per sequence. None: a row per sequence.
+    decode_cu_seqlens_q: torch.Tensor | None = None
+    decode_max_seqlen_q: int = 1
     prefill_block_tables: torch.Tensor | None = None  # [Bp, P] int32
     prefill_cu_seqlens_q: torch.Tensor | None = None  # [Bp + 1] int32
     prefill_seq_lens: torch.Tensor | None = None  # [Bp] int32
@@ -75,7 +83,7 @@ class LlamaModel:
             # every layer in one native call: the same kernels, values and order as _layers
             h, residual = native.ops().decode_layers(
                 h, *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+                _NO_CU if meta.decode_cu_seqlens_q is None else meta.decode_cu_seqlens_q, meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
         else:
             h, residual = self._layers(h, positions, meta, packed)
         if logits_indices is not None:
@@ -150,6 +158,11 @@ class LlamaModel:
         return linear(out.view(T, self.q_size), layer.o, layer.o_bias, packed)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_cu_seqlens_q is not None:  # drafts under verification: an extend per sequence
+            return paged_prefill_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_cu_seqlens_q, meta.decode_seq_lens,
+                self.scale, self.kv.k_scale, self.kv.v_scale, meta.decode_max_seqlen_q,
+            )
         return paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
             self.kv.k_scale, self.kv.v_scale,

@@ -42,25 +42,31 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=nd)  # type: ignore[arg-type]
         if nd:
-            # A speculating sequence's drafts are decode rows too, each sharing its block
-            # table with the causal length of its position: the same kernels as plain decode
-            # (row by row the same arithmetic, so greedy output is unchanged).
+            # A speculating sequence's drafts are decode rows too (the packed GEMM's rows, so each
+            # row's projections are plain decoding's). Its 1 + k rows attend as one extend of
+            # its sequence, row j seeing positions <= p + j: the KV is read once for all of them
+            # (a row per draft read the whole context again: at 3,000 tokens most of the step).
             decode = batch.seqs[:nd]
-            seq_lens, tables = [], []
-            for seq, n in zip(decode, batch.num_new_tokens[:nd]):
+            counts = batch.num_new_tokens[:nd]
+            for seq, n in zip(decode, counts):
                 p = seq.num_computed_tokens
                 ids = [seq.token_ids[p], *seq.draft_tokens[: n - 1]]
                 for j in range(n):
                     input_ids.append(ids[j])
                     positions.append(p + j)
                     slots.append(seq.page_ids[(p + j) // ps] * ps + (p + j) % ps)
-                    seq_lens.append(p + j + 1)
                     sampling_rows.append(len(sampling_rows))
-                    tables.append(seq.page_ids)
             meta.num_decode_tokens = len(input_ids)
             sampling_seqs.extend(decode)
-            meta.decode_block_tables = _block_table(tables, dev)
-            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            meta.decode_block_tables = _block_table([s.page_ids for s in decode], dev)
+            meta.decode_seq_lens = torch.tensor(
+                [s.num_computed_tokens + n for s, n in zip(decode, counts)], dtype=torch.int32, device=dev)
+            if max(counts) > 1:
+                cu = [0]
+                for n in counts:
+                    cu.append(cu[-1] + n)
+                meta.decode_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
+                meta.decode_max_seqlen_q = max(counts)
         if nd < len(batch.seqs):
             prefill = batch.seqs[nd:]
             cu, seq_lens = [0], []

@@ -423,3 +423,40 @@ def test_scheduler_grants_drafts_within_the_row_budget_and_never_preempts_for_th
     batch = sched3.schedule()
     assert not batch.preempted and batch.num_new_tokens == [5, 1]
     assert a.draft_tokens == [1] * 4 and bm3.num_free_pages == 0
+
+
+def test_verification_rows_attend_as_one_extend_per_sequence():
+    """A sequence's last token and its drafts are decode rows (the packed GEMM's) that attend as
+    one extend: per-sequence block table and length, and cu_seqlens splitting the rows, so the
+    kernel reads the sequence's KV once, not once a row."""
+    from services.engine.model_runner import ModelRunner
+    from services.engine.scheduler import ScheduledBatch
+    from services.engine.sequence import Sequence
+
+    def seq(rid, n_tokens, pages, drafts):
+        s = Sequence(rid, list(range(1, n_tokens)), SamplingParams(max_tokens=50), max_model_len=1000)
+        s.token_ids.append(99)  # its first output token: decoding
+        s.num_computed_tokens = n_tokens - 1
+        s.page_ids, s.draft_tokens = pages, drafts
+        return s
+
+    a = seq("a", 10, [5, 2, 7, 6], [11, 12, 13])  # positions 9..12: rows 0-3
+    b = seq("b", 6, [3, 4], [])                # position 5: row 4
+    prompt = Sequence("c", [1, 2, 3, 4, 5], SamplingParams(max_tokens=5), max_model_len=1000)
+    prompt.page_ids = [8, 9]
+    batch = ScheduledBatch(seqs=[a, b, prompt], num_new_tokens=[4, 1, 5], num_decode=2)
+    runner = ModelRunner(model=None, page_size=4, device=torch.device("cpu"))
+    ids, pos, meta, rows, sampling = runner.prepare(batch)
+    assert ids.tolist() == [99, 11, 12, 13, 99, 1, 2, 3, 4, 5]
+    assert pos.tolist() == [9, 10, 11, 12, 5, 0, 1, 2, 3, 4]
+    assert meta.num_decode_tokens == 5
+    assert meta.decode_cu_seqlens_q.tolist() == [0, 4, 5] and meta.decode_max_seqlen_q == 4
+    assert meta.decode_seq_lens.tolist() == [13, 6]
+    assert meta.decode_block_tables.tolist() == [[5, 2, 7, 6], [3, 4, 0, 0]]
+    assert meta.slot_mapping.tolist()[:5] == [7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 6 * 4 + 0, 4 * 4 + 1]
+    assert rows.tolist() == [0, 1, 2, 3, 4, 9] and [s.request_id for s in sampling] == ["a", "b", "c"]
+    # without drafts: a row per sequence, no cu_seqlens (the decode kernel's path)
+    a.draft_tokens = []
+    batch = ScheduledBatch(seqs=[a, b], num_new_tokens=[1, 1], num_decode=2)
+    _, _, meta, rows, _ = runner.prepare(batch)
+    assert meta.decode_cu_seqlens_q is None and meta.decode_seq_lens.tolist() == [10, 6] and rows is None
