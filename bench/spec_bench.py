@@ -4,12 +4,17 @@
     python -m bench.spec_bench --tiny                # smoke check (< 1 min of decoding)
     python -m bench.spec_bench --system              # also through kvbus up (local and remote drafter)
     python -m bench.spec_bench --draft-layers 8      # add the model drafter (first 8 layers of the target)
+    python -m bench.spec_bench --workloads long      # only the long-context workload (~3 min)
 
 Workloads (greedy, fp32, the default model, chat-formatted prompts):
   agentic   a file in the prompt and "repeat it with one change": output copies its context
   chat      open-ended questions: little to copy
-Rows: single stream (each prompt alone; TPOT = decode time per token after the first) and 8
-concurrent (all submitted at once; output tokens/s over the run), for plain / ngram [/ model].
+  long      an agent's long context: ~2,700 tokens of files read so far, "repeat the last one with
+            one change"; 4 such prompts (4 concurrent: below the 8 decode rows where speculation
+            pauses), so the verification rows attend over long contexts
+Rows: single stream (each prompt alone; TPOT = decode time per token after the first) and N
+concurrent (all submitted at once, N = 8, 4 for long; output tokens/s over the run), for
+plain / ngram [/ model].
 Speedup is against plain in the same run. Acceptance = accepted / drafted tokens; mean accepted
 length = tokens appended per verification step. --system adds TPOT through the system, and the
 share of engine step time the worker spent waiting for drafts (for remote: the bus round trip).
@@ -44,6 +49,19 @@ _CHANGES = ["rename the function merge to combine", "rename the method top to mo
             "change LOG_LEVEL to debug"]
 AGENTIC = [f"Here is a file:\n```\n{f}```\nRepeat the whole file exactly, but {c}. Output only the file."
            for f, c in zip(_FILES, _CHANGES)]
+LONG_FILES = 24  # files in each long prompt (~2,700 tokens with the chat template)
+
+
+def _long_texts() -> list[str]:
+    texts = []
+    for i in range(4):
+        files = [_FILES[(i + j) % 3].replace("path", f"path{j}").replace("word", f"word{j}") for j in range(LONG_FILES)]
+        listing = "".join(f"### file{j}.py\n```\n{f}```\n" for j, f in enumerate(files))
+        texts.append(f"Files read so far:\n{listing}\nRepeat file{LONG_FILES - 1}.py exactly, but "
+                     f"{_CHANGES[(i + LONG_FILES - 1) % 3]}. Output only the file.")
+    return texts
+
+
 CHAT = ["Tell me about the history of the bicycle.", "What makes a good cup of coffee?",
         "Describe a walk through a forest in autumn.", "Why is the sky blue? Explain simply."]
 
@@ -90,10 +108,11 @@ def run_in_process(args) -> None:
     from services.engine import EngineConfig, LLMEngine
     from services.draft.base import make_drafter
 
-    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=0.5,
+    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=1.0,
                                     num_speculative_tokens=args.k, speculative_method=None))
     tok = engine.tokenizer
-    workloads = {"agentic": _prompts(tok, AGENTIC), "chat": _prompts(tok, CHAT)}
+    workloads = {"agentic": _prompts(tok, AGENTIC), "chat": _prompts(tok, CHAT), "long": _prompts(tok, _long_texts())}
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads}
     if args.tiny:
         workloads = {k: v[:1] for k, v in workloads.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -103,7 +122,7 @@ def run_in_process(args) -> None:
 
         folder = write_truncated_model(engine.model_dir, tempfile.mkdtemp() + "/draft", args.draft_layers)
         drafters["model"] = make_drafter("model", model=str(folder), target_dir=str(engine.model_dir))
-    engine.generate_sync(workloads["chat"][:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    engine.generate_sync(_prompts(tok, CHAT[:1]), SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     rows = []
     for wname, prompts in workloads.items():
         base = {}
@@ -112,19 +131,20 @@ def run_in_process(args) -> None:
             engine.block_manager.evict_all_cached()
             before = spec_counters(engine)
             tpot, tps = single_stream(engine, prompts, params)
-            conc = concurrent(engine, prompts, params, 2 if args.tiny else 8)
+            n_conc = 2 if args.tiny else 4 if wname == "long" else 8
+            conc = concurrent(engine, prompts, params, n_conc)
             drafted, accepted, steps = (a - b for a, b in zip(spec_counters(engine), before))
             if dname == "plain":
                 base = {"tpot": tpot, "tps": tps, "conc": conc}
             rows.append([
                 wname, dname, f"{tpot * 1e3:.1f}", f"{tps:.1f}", f"{base['tpot'] / tpot:.2f}x",
-                f"{conc:.1f}", f"{conc / base['conc']:.2f}x",
+                n_conc, f"{conc:.1f}", f"{conc / base['conc']:.2f}x",
                 f"{accepted / drafted:.2f}" if drafted else "-",
                 f"{(accepted + steps) / steps:.2f}" if steps else "-",
             ])
     engine.set_drafter(None)
     print(table(rows, ["workload", "drafter", "TPOT ms", "1-stream tok/s", "TPOT speedup",
-                       "8-conc tok/s", "8-conc speedup", "acceptance", "mean accepted len"]))
+                       "N conc", "N-conc tok/s", "N-conc speedup", "acceptance", "mean accepted len"]))
 
 
 async def _system_tpot(nats_url: str, prompts, params) -> float:
@@ -190,6 +210,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft-layers", type=int, default=0, help="also bench the model drafter with this many layers")
     ap.add_argument("--system", action="store_true", help="also measure through kvbus up")
+    ap.add_argument("--workloads", nargs="+", choices=["agentic", "chat", "long"], default=["agentic", "chat", "long"])
     args = ap.parse_args()
     if args.max_tokens is None:
         args.max_tokens = 24 if args.tiny else 160
