@@ -319,6 +319,16 @@ async def first_request(bus, roles: dict[str, list[str]]) -> str:
     return f"{GENERATE_ONCE.template} {question!r} -> {reply.text!r} ({reply.usage.completion_tokens} tokens)"
 
 
+def speculation(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """The engines' drafter for ``--speculative`` (None: off) and whether it serves greedy requests only."""
+    choice = getattr(args, "speculative", None) or "off"
+    if choice == "off":
+        return None, False
+    if choice == "auto":
+        return "ngram", True
+    return choice, False
+
+
 def _port_of(url: str) -> int | None:
     from urllib.parse import urlsplit
 
@@ -343,7 +353,7 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
             roles["prefill"] = [f"prefill-{i}" for i in range(args.prefill or 1)]
             roles["decode"] = [f"decode-{i}" for i in range(args.decode or 1)]
         roles["gateway"] = ["gateway-0"]
-        if getattr(args, "speculative", None) and args.draft_placement == "remote":
+        if speculation(args)[0] and args.draft_placement == "remote":
             roles["draft"] = ["draft-0"]
     engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
     cores = usable_cores()
@@ -372,15 +382,18 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                     argv += ["--core-lease", f"{args.core_lease_file}:{slots[wid]}"]
                 if role != "worker":
                     argv += ["--kv-transfer", args.kv_transfer]
-                if getattr(args, "speculative", None) and role != "prefill":
-                    argv += ["--speculative-method", args.speculative, "--draft-placement", args.draft_placement,
+                method, greedy_only = speculation(args)
+                if method and role != "prefill":
+                    argv += ["--speculative-method", method, "--draft-placement", args.draft_placement,
                              "--num-speculative-tokens", str(args.num_speculative_tokens)]
+                    if greedy_only:
+                        argv += ["--speculative-greedy-only"]
                     if args.draft_model:
                         argv += ["--draft-model", args.draft_model]
                 if getattr(args, "hicache", False):
                     argv += ["--hicache", "--hicache-write-policy", args.hicache_write_policy]
             if role == "draft":
-                argv += ["--model", str(model_dir), "--speculative-method", args.speculative,
+                argv += ["--model", str(model_dir), "--speculative-method", speculation(args)[0],
                          "--num-speculative-tokens", str(args.num_speculative_tokens)]
                 if args.draft_model:
                     argv += ["--draft-model", args.draft_model]
@@ -450,6 +463,11 @@ async def up(args: argparse.Namespace) -> int:
         args.core_lease_file = lease_file = make_lease_file()
         roles, children = plan(args, nats_url, model_dir)
         say(f"layout: {args.layout} ({args.layout_why})")
+        method, greedy_only = speculation(args)
+        if not args.tokenizer_only:
+            say("speculative decoding: " + ("off" if method is None else
+                f"{method}, greedy requests only (--speculative auto; off: --speculative off)" if greedy_only
+                else f"{method}, every request"))
         engines = [wid for role in ("worker", "prefill", "decode") for wid in roles.get(role, [])]
         if len(engines) > 1:
             say(f"engines on this host: core sharing {args.core_sharing_used}")
@@ -540,8 +558,11 @@ def up_main(argv: list[str]) -> int:
                              "the CPU's bf16 instructions through oneDNN where it has them)")
     parser.add_argument("--engine-args", default="",
                         help="more options for every engine worker, e.g. \"--max-running-requests 8 --page-size 32\"")
-    parser.add_argument("--speculative", choices=["ngram", "model"], default=None,
-                        help="speculative decoding on the decode (or aggregated) workers with this drafter")
+    parser.add_argument("--speculative", choices=["auto", "ngram", "model", "off"], default="auto",
+                        help="speculative decoding on the decode (or aggregated) workers. auto (default): n-gram "
+                             "drafts for greedy requests only, whose output is the same token for token (sampled "
+                             "ones decode plainly); ngram / model: that drafter for every request; off: none "
+                             "(docs/speculative.md)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens drafted per step")
     parser.add_argument("--draft-model", default=None, help="--speculative model: local HF folder of the draft model")
     parser.add_argument("--draft-placement", choices=["local", "remote"], default="local",

@@ -83,6 +83,11 @@ class EngineConfig:
     speculative_method: str | None = None
     """Speculative decoding's drafter: ngram (prompt lookup) or model (draft_model); None: off."""
 
+    speculative_greedy_only: bool = False
+    """With speculative_method: draft only for greedy requests (temperature 0), whose output is the
+    same token for token with or without speculation; sampled requests then decode plainly, so a
+    seeded request's output never depends on whether speculation ran (it pauses under load)."""
+
     num_speculative_tokens: int = 4
     """Most tokens drafted per sequence and step; adaptive k drafts fewer when acceptance is low."""
 

@@ -387,8 +387,11 @@ class LLMEngine(AsyncEngineMixin):
         if len(decoding) >= self.scheduler.max_spec_rows:
             return  # no spare decode rows: speculation would cost more than it saves
         drafter = self.drafter
+        greedy_only = self.config.speculative_greedy_only
         wants: dict[str, int] = {}
         for seq in decoding:
+            if greedy_only and seq.params.temperature > 0:
+                continue  # sampled: plain decoding (its seeded draws stay those of plain sampling)
             k = self._spec_k(seq)
             if k:
                 if not drafter.has(seq.request_id):

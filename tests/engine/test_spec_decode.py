@@ -243,6 +243,20 @@ def test_prefill_shares_a_step_with_verification_rows(engine, spec_engine, token
     _assert_idle(spec_engine)
 
 
+def test_greedy_only_speculation_leaves_sampled_requests_to_plain_decoding(model_dir, engine, tokenizer):
+    """speculative_greedy_only (kvbus up's default): greedy requests draft, sampled ones do not, so a
+    seeded sampled request gives the same tokens as without speculation, whatever ran beside it."""
+    code, fox = tokenizer.encode(EXTRA_TEXTS[0]), tokenizer.encode(EXTRA_TEXTS[2])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    seeded = SamplingParams(temperature=0.6, seed=7, max_tokens=24)  # speculated, these draws differ
+    plain_greedy, plain_seeded = engine.generate_sync([code, fox], [greedy, seeded])
+    only = make_engine(model_dir, speculative_method="ngram", speculative_greedy_only=True)
+    g, s = only.generate_sync([code, fox], [greedy, seeded])
+    assert g.token_ids == plain_greedy.token_ids and g.usage.draft_tokens > 0
+    assert s.token_ids == plain_seeded.token_ids and s.usage.draft_tokens == 0
+    _assert_idle(only)
+
+
 class _Recorder(CacheTierHooks):
     """A write-through tier that records every page the block manager offers it (stored or
     written back); it holds nothing, so nothing is ever loaded back."""

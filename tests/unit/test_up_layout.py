@@ -81,3 +81,19 @@ def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
     assert paths == {"/tmp/kvbus-cores-test.lease"} and sorted(s.rpartition(":")[2] for s in specs.values()) == ["0", "1"]
     _, children = plan(_plan_args(core_sharing="split"), "nats://127.0.0.1:4222", "/models/x")
     assert not any("--core-lease" in c.argv for c in children)
+
+
+def test_speculation_defaults_to_ngram_for_greedy_requests_on_decoding_engines():
+    def flags(**kw):
+        _, children = plan(_plan_args(num_speculative_tokens=4, draft_model=None, **kw), "nats://127.0.0.1:4222",
+                           "/models/x")
+        return {c.name: c.argv for c in children if c.name.startswith(("prefill", "decode", "worker"))}
+
+    auto = flags(speculative="auto")
+    assert "--speculative-method" not in auto["prefill-0"]  # a prefill engine never decodes past its first token
+    argv = auto["decode-0"]
+    assert argv[argv.index("--speculative-method") + 1] == "ngram" and "--speculative-greedy-only" in argv
+    every = flags(speculative="ngram", layout="aggregated")["worker-0"]
+    assert every[every.index("--speculative-method") + 1] == "ngram" and "--speculative-greedy-only" not in every
+    for off in ("off", None):
+        assert not any("--speculative-method" in a for a in flags(speculative=off).values())
