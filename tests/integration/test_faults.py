@@ -36,8 +36,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprob
 
 @pytest.fixture(scope="module")
 def system(model_dir):
-    # 2 aggregated workers, 1 thread each; 4 running + 8 queued each: small enough to overload
+    # 2 aggregated workers, 1 thread each; 4 running + 8 queued each: small enough to overload.
+    # No speculation: the drain test needs a stream that outlasts the 5 s drain, and with n-gram
+    # drafts (kvbus up's default for greedy requests) its 400 repetitive tokens finished inside it.
     with LocalSystem("--aggregated", "--workers", "2", "--num-threads", "1", "--drain-timeout", "5",
+                     "--speculative", "off",
                      "--engine-args", "--max-running-requests 4 --max-queue 8 --heartbeat-interval 0.5",
                      model_dir=model_dir) as s:
         yield s
