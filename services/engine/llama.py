@@ -81,9 +81,10 @@ class LlamaModel:
         packed = meta.num_decode_tokens == input_ids.shape[0]  # decode-only step (linear.py)
         if packed and input_ids.shape[0] <= NATIVE_MAX_ROWS and (stack := self.decode_stack()) is not None:
             # every layer in one native call: the same kernels, values and order as _layers
+            cu = _NO_CU if meta.decode_cu_seqlens_q is None else meta.decode_cu_seqlens_q
             h, residual = native.ops().decode_layers(
-                h, *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables,
-                _NO_CU if meta.decode_cu_seqlens_q is None else meta.decode_cu_seqlens_q, meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+                h, *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables, cu,
+                meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
         else:
             h, residual = self._layers(h, positions, meta, packed)
         if logits_indices is not None:
