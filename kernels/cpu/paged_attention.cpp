@@ -351,10 +351,10 @@ void attend_wide(const Params& p, int b, int h0, int nh, const float* Q_all, con
 // the same tiles, the same fma chains over d and over j, the same order of the tile's sum
 // (tree_sum32), the same exp; so a row's result never depends on how many rows share its task.
 // Up to GROUPS_MAX groups go through S = Q.K^T and P.V together: each broadcast K or V element
-// then feeds GROUPS_MAX FMAs (one group a time, the loop issued about one load per FMA; with
-// two, the extend attention of a 3,000-token context ran ~10% faster, with three it spilled). A group
-// that sees fewer of the tile's keys than its neighbours gets weights 0 for the rest (and
-// alpha 1 when it sees none): fma(0, v, a) == a, so its rows keep their own arithmetic.
+// then feeds GROUPS_MAX FMAs (one group a time, the loop issued about one load per FMA; with two,
+// the extend attention of a 3,000-token context ran ~10% faster; with three it spilled). A group
+// that sees fewer of the tile's keys than its neighbours gets weights 0 for the rest (and alpha 1
+// when it sees none): fma(0, v, a) == a, so its rows keep their own arithmetic.
 constexpr int LANES = 16;
 constexpr int GROUPS_MAX = 2;
 

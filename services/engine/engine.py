@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from kernels import gather_pages, scatter_pages
+from kernels.sampling import GREEDY_EPS
 from schemas.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from services.config import ConfigError
 from services.engine.async_api import AsyncEngineMixin
@@ -390,7 +391,7 @@ class LLMEngine(AsyncEngineMixin):
         greedy_only = self.config.speculative_greedy_only
         wants: dict[str, int] = {}
         for seq in decoding:
-            if greedy_only and seq.params.temperature > 0:
+            if greedy_only and seq.params.temperature >= GREEDY_EPS:  # the sampler's own greedy test
                 continue  # sampled: plain decoding (its seeded draws stay those of plain sampling)
             k = self._spec_k(seq)
             if k:

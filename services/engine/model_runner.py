@@ -40,7 +40,7 @@ class ModelRunner:
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=nd)  # type: ignore[arg-type]
+        meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=0)  # type: ignore[arg-type]
         if nd:
             # A speculating sequence's drafts are decode rows too (the packed GEMM's rows, so each
             # row's projections are plain decoding's). Its 1 + k rows attend as one extend of
@@ -61,12 +61,13 @@ class ModelRunner:
             meta.decode_block_tables = _block_table([s.page_ids for s in decode], dev)
             meta.decode_seq_lens = torch.tensor(
                 [s.num_computed_tokens + n for s, n in zip(decode, counts)], dtype=torch.int32, device=dev)
-            if max(counts) > 1:
+            widest = max(counts)
+            if widest > 1:
                 cu = [0]
                 for n in counts:
                     cu.append(cu[-1] + n)
                 meta.decode_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
-                meta.decode_max_seqlen_q = max(counts)
+                meta.decode_max_seqlen_q = widest
         if nd < len(batch.seqs):
             prefill = batch.seqs[nd:]
             cu, seq_lens = [0], []
