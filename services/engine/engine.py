@@ -46,7 +46,15 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
-from services.engine.spec_decode import EMA_WEIGHT, INITIAL_ACCEPTANCE, PROBE_INTERVAL, SPEC_MAX_ROWS, choose_k
+from services.engine.spec_decode import (
+    EMA_WEIGHT,
+    INITIAL_ACCEPTANCE,
+    PROBE_INTERVAL,
+    SPEC_MAX_ROWS,
+    RowCost,
+    budget_drafts,
+    choose_k,
+)
 from services.engine.tier_hooks import CacheTierHooks
 from services.engine.weights import load_weights
 
@@ -104,6 +112,8 @@ class LLMEngine(AsyncEngineMixin):
         self.runner = ModelRunner(self.model, config.page_size, self.device)
         self.tokenizer = self._load_tokenizer() if config.load_tokenizer else None
         self.drafter = self._make_drafter() if config.speculative_method else None
+        self.row_cost: RowCost | None = self._measure_row_cost() if self.drafter is not None else None
+        self._decode_other_s: float | None = None  # moving average, decode-only steps (_draft's budget)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.stats = EngineStats()
         self._mailbox: deque[tuple[str, object]] = deque()
@@ -138,6 +148,16 @@ class LLMEngine(AsyncEngineMixin):
         Call while the engine is idle."""
         self.drafter = drafter
         self.scheduler.max_spec_rows = SPEC_MAX_ROWS if drafter is not None else 0
+        if drafter is not None and self.row_cost is None:
+            self.row_cost = self._measure_row_cost()
+
+    def _measure_row_cost(self) -> RowCost:
+        """How a decode step's projection time grows with its rows, timed on this machine (~0.3 s
+        for the default model): what the draft budget weighs drafts against."""
+        cost = RowCost.measure(self.model.projection_seconds)
+        log.info("speculation: projections read in %.1f ms a step and cost %.2f ms a row computed (~%d rows free)",
+                 cost.memory_s * 1e3, cost.row_s * 1e3, int(cost.memory_s / cost.row_s) if cost.row_s > 0 else 0)
+        return cost
 
     # ---- requests -------------------------------------------------------
 
@@ -374,7 +394,14 @@ class LLMEngine(AsyncEngineMixin):
         st.forward_seconds += self.runner.last_forward_seconds
         st.num_decode_tokens += batch.num_decode
         st.num_prefill_tokens += sum(batch.num_new_tokens[batch.num_decode :])
-        st.step_seconds += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        st.step_seconds += step_s
+        if self.row_cost is not None and batch.num_decode == len(batch.seqs):
+            # what a decode step costs beside its projections (attention, norms, sampling): the
+            # draft budget divides a step's tokens by its whole time
+            other = max(0.0, step_s - self.row_cost.seconds(sum(batch.num_new_tokens)))
+            prev = self._decode_other_s
+            self._decode_other_s = other if prev is None else (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * other
         return outputs
 
     # ---- speculative decoding (docs/speculative.md) --------------------------
@@ -402,14 +429,22 @@ class LLMEngine(AsyncEngineMixin):
             return
         proposals = drafter.propose_many(wants)
         spent = time.perf_counter() - t0  # every sequence that asked waited for the whole call
+        drafted: list[tuple[Sequence, list[int], object]] = []
         for seq in decoding:
             if seq.request_id in wants:
                 seq.draft_seconds += spent
             prop = proposals.get(seq.request_id)
             if prop is not None and prop.position == seq.num_tokens and prop.tokens:
-                k = wants[seq.request_id]
-                seq.draft_tokens = list(prop.tokens[:k])
-                seq.draft_probs = prop.probs
+                drafted.append((seq, list(prop.tokens[: wants[seq.request_id]]), prop.probs))
+        if drafted:
+            # which drafts are worth their rows in this step (spec_decode.budget_drafts)
+            rates = [s.spec_acceptance if s.spec_acceptance >= 0 else INITIAL_ACCEPTANCE for s, _, _ in drafted]
+            counts = budget_drafts(rates, [len(t) for _, t, _ in drafted], len(decoding), self.row_cost,
+                                   self.scheduler.max_spec_rows, other_s=self._decode_other_s or 0.0)
+            for (seq, tokens, probs), n in zip(drafted, counts):
+                if n:
+                    seq.draft_tokens = tokens[:n]
+                    seq.draft_probs = probs
         self.stats.draft_seconds += time.perf_counter() - t0
 
     def _spec_k(self, seq: Sequence) -> int:

@@ -7,6 +7,7 @@ Every compute op that has a kernel goes through ``kernels``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,35 @@ class LlamaModel:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = rms_norm(h, w.norm, eps, residual)
         return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
+
+    def projection_seconds(self, rows: int, reps: int = 3) -> float:
+        """Best of ``reps`` timings of a decode step's projections (every layer's and the
+        lm_head's) at ``rows`` rows, through the kernels a decode step uses: what
+        spec_decode.RowCost is measured from."""
+        mc, w = self.mc, self.w
+        like = dict(dtype=w.embed.dtype, device=w.embed.device)
+        xh = torch.zeros(rows, mc.hidden_size, **like)
+        xq = torch.zeros(rows, self.q_size, **like)
+        xi = torch.zeros(rows, mc.intermediate_size, **like)
+        sync = torch.cuda.synchronize if w.embed.is_cuda else (lambda: None)
+
+        def once() -> None:
+            for layer in w.layers:
+                linear(xh, layer.qkv, None, packed=True)
+                linear(xq, layer.o, None, packed=True)
+                linear(xh, layer.gate_up, None, packed=True)
+                linear(xi, layer.down, None, packed=True)
+            linear(xh, w.lm_head, None, packed=True, max_rows=None)
+
+        once()  # first touch
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            once()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def _layers(self, h, positions, meta: AttentionMetadata, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.mc.rms_norm_eps

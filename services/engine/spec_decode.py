@@ -22,11 +22,14 @@ is batched with and whatever the drafter proposed at other positions.
 Adaptive k (:func:`choose_k`): the j-th draft of a step pays off with probability
 a^j (a: the sequence's moving-average acceptance rate) and costs one verification
 row plus the drafter's time per token; k is the largest count whose last draft is
-still worth its cost, at most ``num_speculative_tokens``. The scheduler keeps a
-step's decode rows within ``SPEC_MAX_ROWS``.
+still worth its cost, at most ``num_speculative_tokens``. Across a step's sequences,
+:func:`budget_drafts` keeps the drafts whose rows raise the step's expected tokens per second
+(:class:`RowCost`), within ``SPEC_MAX_ROWS``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,15 +38,15 @@ from kernels.sampling import GREEDY_EPS
 from schemas.engine import SamplingParams
 
 ROW_COST = 0.05
-"""Cost of one verification row as a share of a one-row decode step. Measured on the 2-core dev VM
-(SmolLM2-135M fp32, one sequence): 1 row 25.0 ms, 3 rows 28.6, 5 rows 29.9, 9 rows 41.2, 12 rows
-59.7: the packed kernel reads the weights once whatever the row count, so up to ~5 rows a row
-costs 4-7% of a step, past 8 the rows start to cost compute (9-13% each)."""
+"""Cost of one verification row as a share of a one-row decode step, below the compute knee (see
+:class:`RowCost`): what a sequence's own k is chosen against. Measured on the 2-core dev VM
+(SmolLM2-135M fp32, one sequence): 1 row 25.0 ms, 3 rows 28.6, 5 rows 29.9: the packed kernel reads
+the weights once whatever the row count, so a row costs 4-7% of a step."""
 
-SPEC_MAX_ROWS = 8
-"""Most decode rows (plain rows + drafts) of a step with drafts: past it a draft row costs more than
-a typical acceptance rate pays back (see ROW_COST), and past linear.NATIVE_MAX_ROWS = 12 the step
-would leave the packed kernel altogether."""
+SPEC_MAX_ROWS = 48
+"""Most decode rows (plain rows + drafts) of a step with drafts: linear.NATIVE_MAX_ROWS, so
+verification stays in the packed kernel (a row's result does not depend on the rows beside it:
+greedy output stays that of plain decoding). Within it :func:`budget_drafts` decides."""
 
 EMA_WEIGHT = 0.3
 """Weight of the newest step's acceptance rate in the moving average."""
@@ -69,6 +72,57 @@ def choose_k(acceptance: float, max_k: int, cost_per_token: float) -> int:
             break
         k += 1
     return k
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """Time of a decode step's projections by its row count: reading the weights (``memory_s``,
+    once whatever the rows) or computing them (``row_s`` a row), whichever is longer. Measured
+    per engine (``LlamaModel.projection_seconds``): on the 2-core dev VM, SmolLM2-135M fp32,
+    ~19 ms to read, ~1.7 ms a row, so about 11 rows are free and every row past them costs."""
+
+    memory_s: float
+    row_s: float
+
+    def seconds(self, rows: int) -> float:
+        return max(self.memory_s, rows * self.row_s)
+
+    @classmethod
+    def measure(cls, projection_seconds, rows: int = 32) -> RowCost:
+        """From ``projection_seconds(rows)``, the time of one pass over every projection."""
+        one, many = projection_seconds(1), projection_seconds(rows)
+        return cls(memory_s=one, row_s=many / rows)
+
+
+def budget_drafts(
+    rates: list[float], lengths: list[int], plain_rows: int, cost: RowCost, max_rows: int, other_s: float = 0.0
+) -> list[int]:
+    """How many of its ``lengths[i]`` drafts sequence i verifies this step, beside ``plain_rows``
+    rows of one token each (every decoding sequence's own row); ``other_s``: what the step costs
+    beside its projections (attention, norms, sampling), whatever its rows.
+
+    Sequence i's j-th draft is accepted with probability ~``rates[i] ** j`` (it needs the j - 1
+    before it), so its row adds that many tokens on average. Drafts are taken best first while
+    they raise the step's expected tokens per second: a draft row is free while the step is bound
+    by reading the weights, and once it is bound by compute, it must add at least its share of
+    the step's tokens (``value * T >= dT * tokens``). Values fall and row costs rise, so the first
+    draft that does not pay ends the budget. At most ``max_rows`` rows in all."""
+    cands = sorted(
+        ((rates[i] ** j, i) for i in range(len(rates)) for j in range(1, lengths[i] + 1)),
+        key=lambda c: (-c[0], c[1]),
+    )
+    counts = [0] * len(rates)
+    rows, tokens = plain_rows, float(plain_rows)
+    t = other_s + cost.seconds(rows)
+    for value, i in cands:
+        if rows >= max_rows or value <= 0.0:
+            break
+        dt = cost.seconds(rows + 1) - cost.seconds(rows)
+        if value * t < dt * tokens * (1.0 - 1e-9):  # a draft that breaks even still saves a step's latency
+            break
+        counts[i] += 1
+        rows, tokens, t = rows + 1, tokens + value, t + dt
+    return counts
 
 
 def _uniform(params: SamplingParams, salt: int, offset: int) -> float:

@@ -3,7 +3,7 @@ against the per-op loop it replaces: bit-identical logits, batch by batch.
 
 Both paths run the same kernels in the same order on the same values, so equality is exact
 (``torch.equal``), not a tolerance. A decode step of more rows than the packed GEMM serves
-(13) and a prefill keep the loop.
+(``NATIVE_MAX_ROWS`` + 1 = 49) and a prefill keep the loop.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ class Recorder:
     def __call__(self, input_ids, positions, meta, logits_indices):
         before = self.stack_calls
         logits = self.forward(input_ids, positions, meta, logits_indices)
-        self.steps.append((input_ids.shape[0], self.stack_calls > before, logits.clone()))
+        decode_only = meta.num_decode_tokens == input_ids.shape[0]
+        self.steps.append((input_ids.shape[0], self.stack_calls > before, logits.clone(), decode_only))
         return logits
 
 
 def run(model_dir, fused: bool, prompts, max_tokens=6):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=0.05,
-                                    load_tokenizer=False, max_running_requests=16))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=0.3,
+                                    load_tokenizer=False, max_running_requests=64))
     rec = Recorder(engine.model, fused)
     try:
         outs = engine.generate_sync(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -68,7 +69,7 @@ def run(model_dir, fused: bool, prompts, max_tokens=6):
     return [o.token_ids for o in outs], rec.steps
 
 
-@pytest.mark.parametrize("batch", [1, 5, 12, 13])
+@pytest.mark.parametrize("batch", [1, 5, 12, 13, 24, 49])
 def test_stack_logits_equal_the_per_op_loop(model_dir, batch):
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 20000, (int(n),), generator=g).tolist()
@@ -77,13 +78,16 @@ def test_stack_logits_equal_the_per_op_loop(model_dir, batch):
     tokens_loop, loop = run(model_dir, False, prompts)
     assert tokens_fused == tokens_loop
     assert len(fused) == len(loop)
-    for (rows, stacked, a), (rows_b, _, b) in zip(fused, loop):
+    for (rows, stacked, a, _), (rows_b, _, b, _) in zip(fused, loop):
         assert rows == rows_b and torch.equal(a, b), f"step of {rows} rows differs"
-    decode_steps = [s for s in fused if s[1]]
-    if batch <= 12:
-        assert len(decode_steps) >= 5  # the stack served the decode steps
-    else:
-        assert not decode_steps  # 13 rows: oneDNN projections, the loop
+    from services.engine.linear import NATIVE_MAX_ROWS
+
+    decode_steps = [(rows, stacked) for rows, stacked, _, decode_only in fused if decode_only]
+    assert len(decode_steps) >= 5
+    # the stack served every decode step of up to NATIVE_MAX_ROWS rows (13-48: the packed kernel's
+    # row groups), and 49 rows went to oneDNN projections, the loop
+    assert all(stacked == (rows <= NATIVE_MAX_ROWS) for rows, stacked in decode_steps), decode_steps
+    assert any(rows == batch for rows, _ in decode_steps)
 
 
 def test_stack_is_off_where_it_cannot_serve(model_dir):

@@ -9,7 +9,15 @@ import torch
 from schemas.engine import SamplingParams
 from services.draft.base import Drafter, Proposal
 from services.draft.ngram import NgramDrafter, lookup
-from services.engine.spec_decode import accept_greedy, accept_sampled, choose_k, target_probs, verify
+from services.engine.spec_decode import (
+    RowCost,
+    accept_greedy,
+    accept_sampled,
+    budget_drafts,
+    choose_k,
+    target_probs,
+    verify,
+)
 from services.engine.tier_hooks import CacheTierHooks
 from tests.engine.conftest import make_engine
 
@@ -97,6 +105,65 @@ def test_choose_k_follows_the_cost_model():
     assert all(choose_k(a / 10, 4, 0.0) <= choose_k((a + 1) / 10, 4, 0.0) for a in range(10))
 
 
+def _throughput(rates, counts, plain, cost, other=0.0):
+    tokens = plain + sum(r**j for r, c in zip(rates, counts) for j in range(1, c + 1))
+    return tokens / (other + cost.seconds(plain + sum(counts)))
+
+
+def test_draft_rows_are_free_while_the_step_reads_weights():
+    # knee at 20 rows: every draft with a chance of acceptance rides along, a hopeless one does not
+    cost = RowCost(memory_s=0.020, row_s=0.001)
+    assert budget_drafts([0.9, 0.5, 0.0], [4, 4, 4], 3, cost, 48) == [4, 4, 0]
+    # ... and the row cap holds, best drafts first: 0.9, 0.81, 0.729 before 0.5
+    assert budget_drafts([0.9, 0.5], [4, 4], 2, cost, 5) == [3, 0]
+
+
+def test_draft_rows_past_the_compute_knee_must_pay_their_share():
+    # a step bound by compute from its first row: a draft row costs what a plain row costs, so it
+    # pays only if it is sure to be accepted
+    compute = RowCost(memory_s=0.0, row_s=0.001)
+    assert budget_drafts([0.99, 0.6], [4, 4], 8, compute, 48) == [0, 0]
+    assert budget_drafts([1.0, 0.6], [4, 4], 8, compute, 48) == [4, 0]
+    # 8 sequences at the dev VM's measure (knee ~11 rows): high acceptance still speculates
+    vm = RowCost(memory_s=0.019, row_s=0.0017)
+    counts = budget_drafts([0.9] * 8, [4] * 8, 8, vm, 48)
+    assert 3 <= sum(counts) < 32 and max(counts) - min(counts) <= 1  # first drafts of all before second ones
+    assert budget_drafts([0.3] * 8, [4] * 8, 8, vm, 48) == [1, 1, 1, 0, 0, 0, 0, 0]  # free rows only
+    # time outside the projections (attention at long contexts) makes each row a smaller share
+    assert budget_drafts([0.9, 0.6], [4, 4], 8, compute, 48, other_s=0.008) == [4, 1]
+
+
+def test_draft_budget_maximizes_expected_tokens_per_second():
+    # against every allocation of small cases (a prefix of each sequence's drafts)
+    import itertools
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(200):
+        n = rnd.randint(1, 3)
+        rates = [rnd.choice([0.0, 0.2, 0.5, 0.8, 0.95, 1.0]) for _ in range(n)]
+        lengths = [rnd.randint(0, 3) for _ in range(n)]
+        plain = n + rnd.randint(0, 6)
+        cost = RowCost(memory_s=rnd.uniform(0.0, 0.02), row_s=rnd.uniform(0.0005, 0.004))
+        other = rnd.choice([0.0, rnd.uniform(0.0, 0.03)])
+        got = budget_drafts(rates, lengths, plain, cost, 48, other_s=other)
+        best = max(_throughput(rates, c, plain, cost, other)
+                   for c in itertools.product(*(range(k + 1) for k in lengths)))
+        assert _throughput(rates, got, plain, cost, other) >= best * (1 - 1e-9), (rates, lengths, plain, cost, got)
+
+
+def test_row_cost_is_measured_from_one_row_and_many():
+    seen = []
+
+    def projection_seconds(rows):
+        seen.append(rows)
+        return 0.020 if rows == 1 else 0.064
+
+    cost = RowCost.measure(projection_seconds, rows=32)
+    assert seen == [1, 32] and cost == RowCost(memory_s=0.020, row_s=0.002)
+    assert cost.seconds(4) == 0.020 and cost.seconds(20) == 0.040
+
+
 def test_ngram_lookup():
     stream = [1, 2, 3, 4, 5, 9, 1, 2, 3]
     assert lookup(stream, 3, 2, 4) == [4, 5, 9]
@@ -175,6 +242,41 @@ def test_greedy_identical_with_ngram_for_twenty_prompts(engine, spec_engine, twe
     assert all(u.accepted_draft_tokens <= u.draft_tokens for u in usage)
     assert any(u.mean_accepted_length > 1.5 for u in usage)
     assert all(u.draft_tokens == 0 for u in (c.usage for c in plain))
+    _assert_idle(spec_engine)
+
+
+@pytest.mark.timeout(1200)
+def test_greedy_identical_with_drafts_beside_twenty_decoding_sequences(engine, spec_engine, twenty_prompts):
+    """Twenty sequences at once: with free rows (a step bound by reading weights) drafts ride along
+    even though every sequence decodes, past the packed kernel's one-group 12 rows; with rows that
+    cost a whole row's compute and acceptance below 1, the budget grants none."""
+    rows_seen = []
+    schedule = spec_engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch.num_decode:
+            rows_seen.append((batch.num_decode, sum(batch.num_new_tokens[: batch.num_decode])))
+        return batch
+
+    saved = spec_engine.row_cost
+    spec_engine.scheduler.schedule = recording
+    try:
+        plain = engine.generate_sync(twenty_prompts, GREEDY)
+        spec_engine.row_cost = RowCost(memory_s=1.0, row_s=0.0)  # every row free
+        spec = spec_engine.generate_sync(twenty_prompts, GREEDY)
+        assert [a.token_ids for a in plain] == [b.token_ids for b in spec]
+        assert any(n >= 12 and rows > 12 for n, rows in rows_seen), rows_seen
+        rows_seen.clear()
+        spec_engine.row_cost = RowCost(memory_s=0.0, row_s=1.0)  # every row paid in full
+        for seq_rate in (0.6, 0.95):  # (the engine's rate before a sequence's first verification: 0.6)
+            assert budget_drafts([seq_rate] * 4, [4] * 4, 20, spec_engine.row_cost, 48) == [0] * 4
+        spec = spec_engine.generate_sync(twenty_prompts[:12], GREEDY)
+        assert [a.token_ids for a in plain[:12]] == [b.token_ids for b in spec]
+        assert all(rows == n for n, rows in rows_seen if n >= 2), rows_seen
+    finally:
+        spec_engine.scheduler.schedule = schedule
+        spec_engine.row_cost = saved
     _assert_idle(spec_engine)
 
 
