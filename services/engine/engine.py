@@ -50,6 +50,7 @@ from services.engine.spec_decode import (
     EMA_WEIGHT,
     INITIAL_ACCEPTANCE,
     PROBE_INTERVAL,
+    ROW_COST,
     SPEC_MAX_ROWS,
     RowCost,
     budget_drafts,
@@ -438,7 +439,9 @@ class LLMEngine(AsyncEngineMixin):
                 drafted.append((seq, list(prop.tokens[: wants[seq.request_id]]), prop.probs))
         if drafted:
             # which drafts are worth their rows in this step (spec_decode.budget_drafts)
-            rates = [s.spec_acceptance if s.spec_acceptance >= 0 else INITIAL_ACCEPTANCE for s, _, _ in drafted]
+            # (a rate floored at ROW_COST: a sequence at rate 0 still gets its probe draft on a free row)
+            rates = [max(ROW_COST, s.spec_acceptance if s.spec_acceptance >= 0 else INITIAL_ACCEPTANCE)
+                     for s, _, _ in drafted]
             counts = budget_drafts(rates, [len(t) for _, t, _ in drafted], len(decoding), self.row_cost,
                                    self.scheduler.max_spec_rows, other_s=self._decode_other_s or 0.0)
             for (seq, tokens, probs), n in zip(drafted, counts):

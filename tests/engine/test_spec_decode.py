@@ -473,8 +473,9 @@ def test_adaptive_k_backs_off_a_drafter_that_is_always_wrong(engine, spec_engine
         spec_engine.set_drafter(NgramDrafter())
     assert c.token_ids == plain.token_ids and len(c.token_ids) == 40
     assert c.usage.accepted_draft_tokens == 0 and c.usage.draft_tokens > 0
-    # after the first rejections k drops to 0, with a one-token probe every few steps
-    assert c.usage.draft_tokens < 4 + 40 // 8 + 4
+    # after the first rejections k drops to 0, with a one-token probe every few steps (the draft
+    # budget still grants a probe at acceptance 0: its row is free)
+    assert 4 + 3 <= c.usage.draft_tokens < 4 + 40 // 8 + 4
     _assert_idle(spec_engine)
 
 
