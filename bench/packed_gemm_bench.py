@@ -2,6 +2,7 @@
 
     python -m bench.packed_gemm_bench                # 1, 2, 4, 6, 8, 10, 12, 16 rows (~1 min on 2 cores)
     python -m bench.packed_gemm_bench --rows 1 8 --reps 15
+    python -m bench.packed_gemm_bench --rows 8 12 16 32 48 --onednn   # and oneDNN prepacked beside it
 
 Times one pass over every projection a decode step runs (30 layers x qkv, o, gate_up, down, and
 the lm_head) with ``kvbus_cpu::packed_gemm``, best of ``--reps``, and reports the weights' read rate
@@ -26,15 +27,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 16])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--onednn", action="store_true",
+                    help="also time oneDNN with prepacked weights (what prefill and, before 2026-12-01, decode steps "
+                         "of more than 12 rows used)")
     args = ap.parse_args()
     from kernels import native
-    from services.engine.linear import pack_columns
+    from services.engine.linear import PREFILL_ROWS, pack_columns, prepack
 
     if not native.available():
         raise SystemExit(f"native kernels: {native.unavailable_reason()}")
     ops = native.ops()
     g = torch.Generator().manual_seed(0)
-    weights = [pack_columns(torch.randn(n, k, generator=g)) for n, k in SHAPES]
+    plain = [torch.randn(n, k, generator=g) for n, k in SHAPES]
+    weights = [pack_columns(w) for w in plain]
+    dense = [prepack(w, PREFILL_ROWS) for w in plain] if args.onednn else []
     nbytes = sum(n * k * 4 for n, k in SHAPES)
     bw = read_bandwidth(reps=3)
     floor = nbytes / bw
@@ -44,14 +50,33 @@ def main() -> None:
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
         ys = [torch.empty(m, n) for n, _ in SHAPES]
-        best = float("inf")
-        for _ in range(args.reps):
-            t = time.perf_counter()
+
+        def packed_pass():
             for (n, k), w, y in zip(SHAPES, weights, ys):
                 ops.packed_gemm(xs[k], w, None, y)
-            best = min(best, time.perf_counter() - t)
-        rows.append([str(m), f"{best * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}", f"{best / floor:.2f}x"])
-    print(table(rows, ["rows", "all projections ms", "weights GB/s", "time / floor"]))
+
+        def onednn_pass():
+            for (n, k), w in zip(SHAPES, dense):
+                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+
+        best = best_of(packed_pass, args.reps)
+        row = [str(m), f"{best * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}", f"{best / floor:.2f}x"]
+        if args.onednn:
+            other = best_of(onednn_pass, args.reps)
+            row += [f"{other * 1e3:.1f}", f"{best / other:.2f}x"]
+        rows.append(row)
+    head = ["rows", "all projections ms", "weights GB/s", "time / floor"]
+    print(table(rows, head + (["oneDNN prepacked ms", "packed / oneDNN"] if args.onednn else [])))
+
+
+def best_of(fn, reps: int) -> float:
+    fn()  # first touch
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 if __name__ == "__main__":

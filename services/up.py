@@ -105,6 +105,12 @@ def choose_layout(args: argparse.Namespace, num_cores: int) -> tuple[str, str]:
                           "beats prefill and decode engines dividing them (--layout disaggregated to override)")
 
 
+SHARED_CORES_LOCAL_PREFILL = 1024
+"""Decode workers' ``--local-prefill-tokens`` where the engines share cores (lease or share): a prefill
+worker there adds no compute, only the trip of the pages and the tokens it lacks (a conversation's
+last answer was computed on the decode worker), so a remainder of up to this many tokens is computed
+where it is decoded, mixed with the decode steps. docs/disaggregation.md has the figures."""
+
 CORE_SHARING = ("auto", "split", "share", "lease")
 LEASE_BELOW_CORES_PER_ENGINE = 4
 """--core-sharing auto takes turns (a core lease) when a split would leave an engine fewer cores."""
@@ -376,8 +382,10 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                 argv += ["--model", str(model_dir)]
             if role in ("prefill", "decode", "worker"):
                 cpus, threads = placement[wid]
+                local = (["--local-prefill-tokens", str(SHARED_CORES_LOCAL_PREFILL)]
+                         if role == "decode" and sharing in ("lease", "share") else [])
                 argv += ["--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
-                         "--num-threads", str(args.num_threads or threads), *shlex.split(args.engine_args)]
+                         "--num-threads", str(args.num_threads or threads), *local, *shlex.split(args.engine_args)]
                 if sharing == "lease" and len(engines) > 1:
                     argv += ["--core-lease", f"{args.core_lease_file}:{slots[wid]}"]
                 if role != "worker":

@@ -36,6 +36,10 @@ class WorkerConfig(EngineConfig):
     transfer_missing_only: bool = True
     """Decode workers: tell the prefill worker how many leading prompt pages this worker holds (prefix
     cache, or host tier with hicache), so only the pages after them cross the transfer layer."""
+    local_prefill_tokens: int = 0
+    """Decode workers: prefill here, not on the named prefill worker, when at most this many prompt tokens
+    are left after the pages this worker holds (conditional disaggregation; 0: always the prefill worker).
+    kvbus up sets 1024 where the engines take turns on the same cores."""
     host_id: str | None = None
     """Identity of this machine for shared-memory transfer; default: the host name."""
     draft_placement: str = "local"

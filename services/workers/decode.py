@@ -35,6 +35,7 @@ class DecodeActor(WorkerActor):
         self.liveness = None
         self.num_remote_prefills = 0
         self.num_local_prefills = 0
+        self.num_kept_local = 0  # of those: a prefill worker was named, but the remainder was short
         self.num_prefill_failures = 0
         self.num_transfers = {"shm": 0, "nats": 0}
         self.transfer_bytes = 0  # KV payload received from prefill workers
@@ -63,21 +64,30 @@ class DecodeActor(WorkerActor):
 
     async def start_outputs(self, req: WorkerGenerateRequest, timings: dict[str, float]):
         if req.prefill_worker_id is not None:
-            try:
-                return await self._remote_prefill(req, timings)
-            except BusError as exc:
-                if isinstance(exc, InvalidArgument):
-                    raise
-                self.num_prefill_failures += 1
-                log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
-                            req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
+            cfg = self.config
+            # Pages this worker holds (L1, or L2 loaded at admission) need not cross, nor be computed.
+            held = await self.prefetch_tiers(req.prompt_token_ids) \
+                if cfg.transfer_missing_only or cfg.local_prefill_tokens else 0
+            left = len(req.prompt_token_ids) - held * self.engine.block_manager.page_size
+            if left <= cfg.local_prefill_tokens:
+                self.num_kept_local += 1  # a short remainder: computing it here beats a transfer
+            else:
+                try:
+                    return await self._remote_prefill(req, timings, held if cfg.transfer_missing_only else 0)
+                except BusError as exc:
+                    if isinstance(exc, InvalidArgument):
+                        raise
+                    self.num_prefill_failures += 1
+                    log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
+                                req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
         self.num_local_prefills += 1
         await self.prefetch_tiers(req.prompt_token_ids)
         return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
 
-    async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float]):
-        """Prefill on the named worker; its first token streams to the caller at once, and the
-        request joins this engine's batch when its pages have arrived (``_take_pages``)."""
+    async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float], skip: int):
+        """Prefill on the named worker, ``skip`` leading pages held here; its first token streams
+        to the caller at once, and the request joins this engine's batch when its pages have
+        arrived (``_take_pages``)."""
         transfer_id = uuid.uuid4().hex
         target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id)
         t0 = time.monotonic()
@@ -87,8 +97,6 @@ class DecodeActor(WorkerActor):
         peer = req.prefill_worker_id
         stream = None
         try:
-            # Pages this worker holds need not cross; the L2 ones are loaded at admission.
-            skip = await self.prefetch_tiers(req.prompt_token_ids) if self.config.transfer_missing_only else 0
             stream = self.bus.stream(
                 PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                         sampling=req.sampling, transfer=target, deadline_s=timeout,
@@ -168,7 +176,7 @@ class DecodeActor(WorkerActor):
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),
-                "local_prefills": str(self.num_local_prefills),
+                "local_prefills": str(self.num_local_prefills), "kept_local": str(self.num_kept_local),
                 "prefill_failures": str(self.num_prefill_failures),
                 "transfer_bytes": str(self.transfer_bytes), "transfer_pages": str(self.transfer_pages),
                 "transfer_pages_skipped": str(self.transfer_pages_skipped),

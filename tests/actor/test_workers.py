@@ -45,6 +45,18 @@ def reference_turn2(engines, reference):
     return engine.generate_sync([PROMPT + reference + NEXT_TURN], GREEDY)[0].token_ids
 
 
+FRESH = list(range(3000, 3077))  # a conversation no other test sends
+FRESH_NEXT = list(range(4000, 4030))
+
+
+@pytest.fixture(scope="module")
+def fresh_turns(engines):
+    _, engine, _ = engines
+    first = engine.generate_sync([FRESH], GREEDY)[0].token_ids
+    turn2 = FRESH + first + FRESH_NEXT
+    return first, turn2, engine.generate_sync([turn2], GREEDY)[0].token_ids
+
+
 @pytest.fixture
 async def system(engines):
     config, prefill_engine, decode_engine = engines
@@ -187,3 +199,29 @@ async def test_a_prefill_worker_that_ignores_skip_pages_still_serves(system, ref
         assert decode.num_local_prefills == 0 and decode.num_prefill_failures == 0
     finally:
         del prefill.engine.prefill  # the instance attribute: back to the class's method
+
+
+async def test_a_short_remainder_is_prefilled_where_it_is_decoded(fresh_turns, system):
+    """Conditional disaggregation at the decode worker (``local_prefill_tokens``): turn 2 of a
+    conversation whose history this worker holds leaves a short remainder, computed here without
+    a transfer; a cold prompt past the limit still goes to the prefill worker."""
+    first, turn2, want2 = fresh_turns
+    prefill, decode, client = system
+    decode.config = decode.config.replace(local_prefill_tokens=64)
+    remote, local, prefilled = decode.num_remote_prefills, decode.num_local_prefills, prefill.num_prefilled
+    assert await generate(client, "prefill-0", prompt=FRESH) == first  # 77 uncached tokens > 64
+    assert decode.num_remote_prefills == remote + 1 and prefill.num_prefilled == prefilled + 1
+    sent = decode.transfer_pages
+    assert await generate(client, "prefill-0", prompt=turn2) == want2  # holds >= 5 of 8 pages: <= 49 left
+    assert decode.num_local_prefills == local + 1 and decode.num_kept_local >= 1
+    assert decode.num_remote_prefills == remote + 1 and prefill.num_prefilled == prefilled + 1
+    assert decode.transfer_pages == sent and decode.num_prefill_failures == 0
+    assert decode.health_detail()["kept_local"] == str(decode.num_kept_local)
+    decode.config = decode.config.replace(local_prefill_tokens=0)  # off: every prefill goes remote
+    assert await generate(client, "prefill-0", prompt=turn2) == want2
+    assert decode.num_remote_prefills == remote + 2
+    for _ in range(100):
+        if all_pages_free(prefill, decode):
+            break
+        await asyncio.sleep(0.05)
+    assert all_pages_free(prefill, decode)

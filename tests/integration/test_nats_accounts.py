@@ -367,7 +367,7 @@ def test_the_server_config_with_accounts_included_is_valid(tmp_path):
 @pytest.mark.parametrize("layout", [
     ("--aggregated",),
     # Prefill and decode workers, the KV pages sent over NATS (kvbus.v1.kv.*) as kvbus-service too.
-    ("--prefill", "1", "--decode", "1", "--kv-transfer", "nats"),
+    ("--prefill", "1", "--decode", "1", "--kv-transfer", "nats", "--engine-args", "--local-prefill-tokens 0"),
 ], ids=["aggregated", "disaggregated"])
 async def test_a_real_kvbus_system_serves_a_client_of_another_account(accounts_server, model_dir, layout):
     """``kvbus up`` against the accounts config, every service as kvbus-service (KVBUS_NATS_USER/_PASSWORD)."""

@@ -83,6 +83,23 @@ def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
     assert not any("--core-lease" in c.argv for c in children)
 
 
+def test_decode_workers_sharing_cores_prefill_short_remainders_themselves():
+    from services.up import SHARED_CORES_LOCAL_PREFILL
+
+    def local_tokens(**kw):
+        _, children = plan(_plan_args(**kw), "nats://127.0.0.1:4222", "/models/x")
+        return {c.name: c.argv[c.argv.index("--local-prefill-tokens") + 1] if "--local-prefill-tokens" in c.argv else None
+                for c in children if c.name.startswith(("prefill", "decode"))}
+
+    for sharing in ("lease", "share"):
+        assert local_tokens(core_sharing=sharing) == {"prefill-0": None, "decode-0": str(SHARED_CORES_LOCAL_PREFILL)}
+    assert local_tokens(core_sharing="split") == {"prefill-0": None, "decode-0": None}  # own cores: the router decides
+    # a user's --engine-args come later on the command line, so they win
+    _, children = plan(_plan_args(engine_args="--local-prefill-tokens 0"), "nats://127.0.0.1:4222", "/models/x")
+    argv = next(c.argv for c in children if c.name == "decode-0")
+    assert argv[len(argv) - 1 - argv[::-1].index("--local-prefill-tokens") + 1] == "0"
+
+
 def test_speculation_defaults_to_ngram_for_greedy_requests_on_decoding_engines():
     def flags(**kw):
         _, children = plan(_plan_args(num_speculative_tokens=4, draft_model=None, **kw), "nats://127.0.0.1:4222",
