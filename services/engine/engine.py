@@ -17,6 +17,7 @@ first, so they are safe to call from another thread while a step runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -154,8 +155,10 @@ class LLMEngine(AsyncEngineMixin):
 
     def _measure_row_cost(self) -> RowCost:
         """How a decode step's projection time grows with its rows, timed on this machine (~0.3 s
-        for the default model): what the draft budget weighs drafts against."""
-        cost = RowCost.measure(self.model.projection_seconds)
+        for the default model): what the draft budget weighs drafts against. Engines that share
+        the host's cores time it holding the core lease, so they do not skew each other's."""
+        with self.core_lease if self.core_lease is not None else contextlib.nullcontext():
+            cost = RowCost.measure(self.model.projection_seconds)
         log.info("speculation: projections read in %.1f ms a step and cost %.2f ms a row computed (~%d rows free)",
                  cost.memory_s * 1e3, cost.row_s * 1e3, int(cost.memory_s / cost.row_s) if cost.row_s > 0 else 0)
         return cost

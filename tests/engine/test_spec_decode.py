@@ -164,6 +164,33 @@ def test_row_cost_is_measured_from_one_row_and_many():
     assert cost.seconds(4) == 0.020 and cost.seconds(20) == 0.040
 
 
+def test_row_cost_is_measured_holding_the_core_lease(spec_engine):
+    """Engines sharing a host's cores (kvbus up's 1P1D on a small host) start together: each times
+    its projections inside the lease, so neither measures the other's work."""
+
+    class Lease:
+        held = False
+
+        def __enter__(self):
+            self.held = True
+            return self
+
+        def __exit__(self, *exc):
+            self.held = False
+
+    lease, seen = Lease(), []
+    saved = spec_engine.core_lease
+    spec_engine.core_lease = lease
+    spec_engine.model.projection_seconds = lambda rows: seen.append((rows, lease.held)) or 0.01 * rows
+    try:
+        cost = spec_engine._measure_row_cost()
+    finally:
+        del spec_engine.model.projection_seconds  # the instance attribute: back to the method
+        spec_engine.core_lease = saved
+    assert seen == [(1, True), (32, True)] and not lease.held
+    assert cost == RowCost(memory_s=0.01, row_s=0.01)
+
+
 def test_ngram_lookup():
     stream = [1, 2, 3, 4, 5, 9, 1, 2, 3]
     assert lookup(stream, 3, 2, 4) == [4, 5, 9]
