@@ -81,6 +81,15 @@ inline void packed_tile(const float* const* w, const float* xt, int64_t K, float
   }
 }
 
+// Tile t's NB column blocks of the packed weights; zeros stand in for blocks past the last.
+template <int NB>
+inline void tile_blocks(const float* wpp, int64_t C, int64_t K, int64_t t, const float* zero_w, const float** w) {
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c = t * NB + b;
+    w[b] = c < C ? wpp + c * K * 16 : zero_w;
+  }
+}
+
 // One pass over w for MR rows: tiles of NB column blocks shared out among the threads.
 template <int NB, int MR>
 void packed_pass(const float* wpp, int64_t C, int64_t K, int64_t N, const float* xt, float* const* yrow,
@@ -89,10 +98,7 @@ void packed_pass(const float* wpp, int64_t C, int64_t K, int64_t N, const float*
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* w[NB];
-      for (int b = 0; b < NB; ++b) {
-        const int64_t c = t * NB + b;
-        w[b] = c < C ? wpp + c * K * 16 : zero_w;  // zeros stand in for blocks past the last
-      }
+      tile_blocks<NB>(wpp, C, K, t, zero_w, w);
       packed_tile<NB, MR>(w, xt, K, yrow, bp, t * NB * 16, N);
     }
   });
@@ -123,10 +129,7 @@ void grouped_pass(const float* wpp, int64_t C, int64_t K, int64_t N, const float
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* w[NB];
-      for (int b = 0; b < NB; ++b) {
-        const int64_t c = t * NB + b;
-        w[b] = c < C ? wpp + c * K * 16 : zero_w;
-      }
+      tile_blocks<NB>(wpp, C, K, t, zero_w, w);
       for (int g = 0; g < groups; ++g)
         group_tile<NB>(start[g + 1] - start[g], w, xt + start[g] * K, K, yrow + start[g], bp, t * NB * 16, N);
     }
