@@ -417,7 +417,7 @@ class LLMEngine(AsyncEngineMixin):
         for seq in decoding:
             seq.draft_tokens, seq.draft_probs = [], None
         if len(decoding) >= self.scheduler.max_spec_rows:
-            return  # no spare decode rows: speculation would cost more than it saves
+            return  # no room for a draft within SPEC_MAX_ROWS (the packed kernel's range)
         drafter = self.drafter
         greedy_only = self.config.speculative_greedy_only
         wants: dict[str, int] = {}

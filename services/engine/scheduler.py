@@ -23,9 +23,9 @@ computed up to the pages that were loaded and verified.
 
 Speculative decoding: a decoding sequence that carries drafted tokens gets
 1 + k decode rows (its last token and the drafts), within ``max_spec_rows``
-decode rows for the whole step (spec_decode.SPEC_MAX_ROWS: while a decode step
-stays that small it costs little more than one row does, so the drafts ride
-along; past it they cost real compute). Drafts never preempt anyone: a sequence
+decode rows for the whole step (spec_decode.SPEC_MAX_ROWS, the packed kernel's
+range; which drafts are worth their rows the engine has already decided with
+spec_decode.budget_drafts). Drafts never preempt anyone: a sequence
 whose drafts need a page that is not free runs its one plain row.
 """
 
