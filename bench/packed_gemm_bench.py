@@ -1,13 +1,14 @@
-"""The packed decode GEMM alone: all 121 projections of SmolLM2-135M fp32, per row count.
+"""The packed decode GEMM alone: all 121 projections of SmolLM2-135M, per row count.
 
     python -m bench.packed_gemm_bench                # 1, 2, 4, 6, 8, 10, 12, 16 rows (~1 min on 2 cores)
     python -m bench.packed_gemm_bench --rows 1 8 --reps 15
     python -m bench.packed_gemm_bench --rows 8 12 16 32 48 --onednn   # and oneDNN prepacked beside it
+    python -m bench.packed_gemm_bench --dtype bfloat16 --onednn       # bf16 weights (vdpbf16ps)
 
 Times one pass over every projection a decode step runs (30 layers x qkv, o, gate_up, down, and
 the lm_head) with ``kvbus_cpu::packed_gemm``, best of ``--reps``, and reports the weights' read rate
-and the ratio to the bandwidth floor (the 538 MB of weights over the read bandwidth measured in the
-same run). To compare two kernel builds, run it on each (the native build is keyed by the kernel
+and the ratio to the bandwidth floor (the weights' bytes, 538 MB in float32 and half that in
+bfloat16, over the read bandwidth measured in the same run). To compare two kernel builds, run it on each (the native build is keyed by the kernel
 sources, so ``git stash`` of a kernel change reuses the cached earlier build) one after the other.
 """
 
@@ -27,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 16])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--onednn", action="store_true",
                     help="also time oneDNN with prepacked weights (what prefill and, before 2026-12-01, decode steps "
                          "of more than 12 rows used)")
@@ -37,19 +39,22 @@ def main() -> None:
     if not native.available():
         raise SystemExit(f"native kernels: {native.unavailable_reason()}")
     ops = native.ops()
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not ops.has_bf16_dot():
+        raise SystemExit("this CPU (or build) has no avx512_bf16: bf16 decode runs on oneDNN")
     g = torch.Generator().manual_seed(0)
-    plain = [torch.randn(n, k, generator=g) for n, k in SHAPES]
+    plain = [torch.randn(n, k, generator=g).to(dtype) for n, k in SHAPES]
     weights = [pack_columns(w) for w in plain]
     dense = [prepack(w, PREFILL_ROWS) for w in plain] if args.onednn else []
-    nbytes = sum(n * k * 4 for n, k in SHAPES)
+    nbytes = sum(n * k * dtype.itemsize for n, k in SHAPES)
     bw = read_bandwidth(reps=3)
     floor = nbytes / bw
     print(machine())
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {nbytes / 1e6:.0f} MB; floor {floor * 1e3:.1f} ms")
+    print(f"{args.dtype}: read bandwidth {bw / 1e9:.1f} GB/s; weights {nbytes / 1e6:.0f} MB; floor {floor * 1e3:.1f} ms")
     rows = []
     for m in args.rows:
-        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
-        ys = [torch.empty(m, n) for n, _ in SHAPES]
+        xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (576, 1536)}
+        ys = [torch.empty(m, n, dtype=dtype) for n, _ in SHAPES]
 
         def packed_pass():
             for (n, k), w, y in zip(SHAPES, weights, ys):

@@ -3,9 +3,10 @@
     python -m bench.step_split                 # native CPU kernels, then the previous path, ~3 min
     python -m bench.step_split --no-baseline   # only the current path
     python -m bench.step_split --stack-vs-loop # the native decode stack against the per-op loop, ~1 min
+    python -m bench.step_split --dtype bfloat16 --no-baseline   # bf16 weights and KV
 
-For each batch (1 x 128, 8 x 256 and 4 x 3000 tokens of context) the in-process engine (fp32,
-SmolLM2-135M) runs decode steps under torch's profiler; op times are grouped into weights (the
+For each batch (1 x 128, 8 x 256 and 4 x 3000 tokens of context) the in-process engine (fp32 unless
+``--dtype bfloat16``, SmolLM2-135M) runs decode steps under torch's profiler; op times are grouped into weights (the
 projections: kvbus_cpu::packed_gemm, oneDNN, MKL), attention (kvbus_cpu::paged_attention, or the
 reference's gather/mask/bmm ops) and the rest. The floor is the bytes a step must read (every
 weight once, plus the context's K and V once) over the read bandwidth measured here (a 1 GiB
@@ -35,16 +36,17 @@ ATTENTION_OPS = ("aten::index_select", "aten::masked_fill_", "aten::bmm", "aten:
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::copy_")
 
 
-def measure(steps: int) -> dict:
+def measure(steps: int, dtype: str = "float32") -> dict:
     import torch
     from torch.profiler import profile
 
     from services.engine import EngineConfig, LLMEngine
 
-    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
+    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False, dtype=dtype))
     mc = eng.model_config
-    weight_bytes = projection_bytes(mc)
-    kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+    itemsize = eng.kv_pool.data.dtype.itemsize
+    weight_bytes = projection_bytes(mc, eng.model.w.embed.dtype.itemsize)
+    kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     gen = torch.Generator().manual_seed(0)
     out = {"bandwidth": read_bandwidth(), "weight_bytes": weight_bytes, "cases": []}
     for batch, ctx in CASES:
@@ -131,18 +133,18 @@ def stack_vs_loop(rounds: int = 8, steps: int = 6) -> None:
     print(table(rows, ["batch x context", "stack step ms", "loop step ms", "stack / loop"]))
 
 
-def projection_bytes(mc) -> int:
-    """float32 bytes of every projection a decode step reads (qkv, o, gate_up, down, lm_head)."""
+def projection_bytes(mc, itemsize: int = 4) -> int:
+    """Bytes of every projection a decode step reads (qkv, o, gate_up, down, lm_head)."""
     h, d, i = mc.hidden_size, mc.head_dim, mc.intermediate_size
     per_layer = (mc.num_heads + 2 * mc.num_kv_heads) * d * h + h * mc.num_heads * d + 3 * i * h
-    return 4 * (mc.num_layers * per_layer + mc.vocab_size * h)
+    return itemsize * (mc.num_layers * per_layer + mc.vocab_size * h)
 
 
-def child(baseline: bool, steps: int) -> dict:
+def child(baseline: bool, steps: int, dtype: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if baseline:
         env["KVBUS_NATIVE"] = "0"
-    res = subprocess.run([sys.executable, "-m", "bench.step_split", "--child", "--steps", str(steps)],
+    res = subprocess.run([sys.executable, "-m", "bench.step_split", "--child", "--steps", str(steps), "--dtype", dtype],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -151,6 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV cache (the engine's --dtype)")
     parser.add_argument("--stack-vs-loop", action="store_true",
                         help="the native decode stack against the per-op loop, alternating in one process")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -159,16 +163,16 @@ def main() -> None:
         stack_vs_loop()
         return
     if args.child:
-        print(json.dumps(measure(args.steps)))
+        print(json.dumps(measure(args.steps, args.dtype)))
         return
     from bench.common import machine, table
 
     print(f"machine: {machine()}", flush=True)
-    runs = {"native": child(False, args.steps)}
+    runs = {"native": child(False, args.steps, args.dtype)}
     if not args.no_baseline:
-        runs["previous (KVBUS_NATIVE=0)"] = child(True, args.steps)
+        runs["previous (KVBUS_NATIVE=0)"] = child(True, args.steps, args.dtype)
     native = runs["native"]
-    print(f"read bandwidth {native['bandwidth'] / 1e9:.1f} GB/s; weights {native['weight_bytes'] / 1e6:.0f} MB")
+    print(f"{args.dtype}: read bandwidth {native['bandwidth'] / 1e9:.1f} GB/s; weights {native['weight_bytes'] / 1e6:.0f} MB")
     rows = []
     for i, case in enumerate(native["cases"]):
         label = f"{case['batch']} x {case['context']}"

@@ -3,7 +3,8 @@
 The ops live in ``kernels/cpu/layer_ops.cpp`` (built by ``kernels/native.py``); each launcher has
 its reference's signature and results (``paged_store.store_kv_ref``, ``rotary.apply_rotary_ref``,
 ``norm.rms_norm_ref``, ``activation.silu_and_mul_ref``) and a ``*_ok`` predicate saying when it serves a call: CPU,
-float32 (bfloat16 too for store-KV, which only copies), contiguous head dimension, extension built.
+float32 (bfloat16 too for store-KV, which copies, or rounds float32 rows into bfloat16 caches as
+``.to()`` does), contiguous head dimension, extension built.
 Everything else (fp8 caches, other dtypes) takes the reference. Float results may differ from the
 references' in the last bit (fused arithmetic, the kernels' own exp).
 """
@@ -22,8 +23,8 @@ from kernels.rotary import check_rotary
 def store_kv_ok(k, v, k_cache, v_cache, *_args, **_kwargs) -> bool:
     return (
         not k.is_cuda
-        and k.dtype in (torch.float32, torch.bfloat16)
-        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype
+        and k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, torch.bfloat16)
         and k.dim() == 3 and k.stride(-1) == 1 and v.stride(-1) == 1
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and native.available()

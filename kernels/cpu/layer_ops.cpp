@@ -2,7 +2,8 @@
 // rotary embedding of q and k, RMSNorm with its residual add, and SwiGLU's silu(gate) * up.
 //
 //   store_kv(k, v, k_cache, v_cache, slot_mapping)
-//       k, v                [T, Hkv, D], D contiguous, same dtype as the caches (float32 | bfloat16)
+//       k, v                [T, Hkv, D], D contiguous, same dtype as the caches (float32 | bfloat16),
+//                           or float32 into bfloat16 caches (rounded to nearest even, as .to() does)
 //       k_cache, v_cache    [num_pages, page_size, Hkv, D], any page/slot/head strides, D contiguous
 //       slot_mapping        [T] int64: page_id * page_size + offset; negative = skip
 //   rotary(q, k, positions, cos_sin, q_out, k_out)        (NeoX "rotate half", float32)
@@ -40,9 +41,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "kvbus: k_cache, v_cache must both be [num_pages, page_size, Hkv, D]");
   TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "kvbus: k/v heads or head_dim differ from the cache's");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                  v_cache.scalar_type() == k.scalar_type(),
-              "kvbus: store_kv needs k, v and the caches in one dtype");
+  const bool round = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k.scalar_type() == k_cache.scalar_type() || round),
+              "kvbus: store_kv needs k, v and the caches in one dtype (or float32 k, v into bfloat16 caches)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.scalar_type() == at::kLong,
               "kvbus: slot_mapping must be [T] int64");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -53,11 +55,18 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t* slots = sm.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] < num_slots, "kvbus: slot_mapping holds slots past the cache (", num_slots, " slots)");
-  const int64_t es = k.element_size(), row = D * es;
+  const int64_t es = k.element_size(), ces = k_cache.element_size(), row = D * es;
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
+  // one head row into its slot: a copy, or float32 rounded to bfloat16
+  const auto put = [&](char* dst, const char* src) {
+    if (!round) return static_cast<void>(std::memcpy(dst, src, row));
+    const float* x = reinterpret_cast<const float*>(src);
+    c10::BFloat16* y = reinterpret_cast<c10::BFloat16*>(dst);
+    for (int64_t d = 0; d < D; ++d) y[d] = c10::BFloat16(x[d]);
+  };
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t s = slots[t];
@@ -65,8 +74,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
       const int64_t page = s / page_size, off = s % page_size;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t src_k = (t * k.stride(0) + h * k.stride(1)) * es, src_v = (t * v.stride(0) + h * v.stride(1)) * es;
-        std::memcpy(kc + (page * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2)) * es, kp + src_k, row);
-        std::memcpy(vc + (page * v_cache.stride(0) + off * v_cache.stride(1) + h * v_cache.stride(2)) * es, vp + src_v, row);
+        put(kc + (page * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2)) * ces, kp + src_k);
+        put(vc + (page * v_cache.stride(0) + off * v_cache.stride(1) + h * v_cache.stride(2)) * ces, vp + src_v);
       }
     }
   });

@@ -15,7 +15,10 @@ same kernel whether its prefix was cached or not (a short uncached tail would ot
 differently from the same tokens in a cold prefill), and the packed kernel sums every output in
 one fixed order, so a decode row's result does not depend on how many rows share the step. That doubles the weights' RAM (540 MB more for the default model);
 ``prepack_weights=False`` keeps one plain copy and ``F.linear`` instead.
-bfloat16 runs on oneDNN (prepacked, with the CPU's bf16 instructions where present).
+bfloat16 projections are held twice the same way when the CPU has bf16 dot products
+(``avx512_bf16``; :func:`packed_decode`): the packed kernel takes pairs of k per 64-byte line for
+``vdpbf16ps``, at about half the fp32 kernel's time (half the bytes); elsewhere bfloat16 runs on
+oneDNN alone (prepacked, with the CPU's bf16 instructions where present).
 float32 results differ from ``F.linear`` in the last bits (another summation order).
 """
 
@@ -35,27 +38,33 @@ the 2-core dev VM, packed against oneDNN (prepacked, as prefill uses it): 13 row
 
 
 class CpuWeight:
-    """One float32 projection ``[out, in]`` in two layouts: oneDNN's (prefill) and packed (decode)."""
+    """One float32 or bfloat16 projection ``[out, in]`` in two layouts: oneDNN's (prefill) and
+    packed (decode)."""
 
-    __slots__ = ("dense", "packed", "out_features")
+    __slots__ = ("dense", "packed", "out_features", "in_features")
 
     def __init__(self, w: torch.Tensor):
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
         self.packed = pack_columns(w)
         self.dense = prepack(w, PREFILL_ROWS)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.packed.shape[1])
+        return (self.out_features, self.in_features)
 
 
 def pack_columns(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16]: block c holds rows 16c..16c+15 transposed (zero past N)."""
+    """float32 [N, K] -> [ceil(N / 16), K, 16]: block c holds rows 16c..16c+15 transposed (zero
+    past N). bfloat16 -> [ceil(N / 16), ceil(K / 2), 32]: 64-byte line l of block c holds
+    ``w[16c + i, 2l + p]`` at ``2i + p``, the pairs one ``vdpbf16ps`` takes (zero past N and K)."""
     n, k = w.shape
     blocks = -(-n // 16)
-    padded = torch.zeros(blocks * 16, k, dtype=w.dtype)
-    padded[:n] = w
-    return padded.view(blocks, 16, k).transpose(1, 2).contiguous()
+    per_line = 2 if w.dtype == torch.bfloat16 else 1
+    lines = -(-k // per_line)
+    padded = torch.zeros(blocks * 16, lines * per_line, dtype=w.dtype)
+    padded[:n, :k] = w
+    packed = padded.view(blocks, 16, lines, per_line).permute(0, 2, 1, 3).contiguous()
+    return packed.view(blocks, lines, 16 * per_line)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -79,13 +88,21 @@ def prepack(w: torch.Tensor, rows: int = 1) -> torch.Tensor:
 
 def prepack_weights(w: ModelWeights) -> None:
     """Reorder every projection in place (the embedding stays a plain table); float32 ones get
-    the packed decode layout too when the native kernels are built."""
-    both = w.embed.dtype == torch.float32 and native.available()
+    the packed decode layout too when the native kernels are built, bfloat16 ones when the CPU
+    has bf16 dot products (``avx512_bf16``) as well."""
+    both = packed_decode(w.embed.dtype)
     convert = CpuWeight if both else prepack
     for layer in w.layers:
         layer.qkv, layer.o = convert(layer.qkv), convert(layer.o)
         layer.gate_up, layer.down = convert(layer.gate_up), convert(layer.down)
     w.lm_head = convert(w.lm_head)  # a copy when tied: the embedding lookup needs the plain table
+
+
+def packed_decode(dtype: torch.dtype) -> bool:
+    """Whether decode steps of ``dtype`` weights run on the native packed GEMM."""
+    if not native.available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native.ops().has_bf16_dot())
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = False,
@@ -94,8 +111,10 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = Fal
     up to ``max_rows`` rows (``None``: any number, as for the lm_head, whose rows are only the
     sampling ones: there it always runs, so a row's logits never depend on the step's shape)."""
     if type(w) is CpuWeight:
-        if packed and (max_rows is None or x.shape[0] <= max_rows) and x.dtype == torch.float32:
-            y = torch.empty((x.shape[0], w.out_features), dtype=torch.float32)
+        if packed and (max_rows is None or x.shape[0] <= max_rows) and x.dtype in (w.packed.dtype, torch.float32):
+            y = torch.empty((x.shape[0], w.out_features), dtype=x.dtype)
+            if b is not None and b.dtype != x.dtype:  # float32 rows on bfloat16 weights (linear's caller chose)
+                b = b.to(x.dtype)
             native.ops().packed_gemm(x if x.stride(-1) == 1 else x.contiguous(), w.packed, b, y)
             return y
         w = w.dense

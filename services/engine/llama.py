@@ -84,13 +84,13 @@ class LlamaModel:
             # every layer in one native call: the same kernels, values and order as _layers
             cu = _NO_CU if meta.decode_cu_seqlens_q is None else meta.decode_cu_seqlens_q
             h, residual = native.ops().decode_layers(
-                h, *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables, cu,
+                h.float(), *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables, cu,
                 meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
         else:
             h, residual = self._layers(h, positions, meta, packed)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
-        h, _ = rms_norm(h, w.norm, eps, residual)
+        h, _ = rms_norm(h, w.norm if h.dtype == w.norm.dtype else w.norm.float(), eps, residual)
         return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
 
     def projection_seconds(self, rows: int, reps: int = 3) -> float:
@@ -138,27 +138,33 @@ class LlamaModel:
 
     def decode_stack(self) -> tuple | None:
         """The per-layer arguments of the native ``decode_layers`` op (kernels/cpu/decode_stack.cpp),
-        or None where it cannot serve this model: weights not float32 in the packed layout, KV not
-        float32, kernels forced to a backend other than auto, or no native build. Built once."""
+        or None where it cannot serve this model: weights not in the packed layout (float32, or
+        bfloat16 on a CPU with bf16 dot products), KV neither float32 nor bfloat16, kernels forced to
+        a backend other than auto, or no native build. Built once.
+
+        The stack keeps activations in float32 whatever the weights: with bfloat16 weights a decode
+        step's rows are rounded to bfloat16 only for the projections' dot products, its K and V
+        when stored (as a bfloat16 prefill's are), and norms and biases run in float32."""
         if backend_mode() != "auto":
             return None
         if self._stack is False:
             w, kv = self.w, self.kv
             ok = (
                 native.available()
-                and kv.dtype == torch.float32 and self.cos_sin.dtype == torch.float32 and not kv.data.is_cuda
+                and kv.dtype in (torch.float32, torch.bfloat16) and self.cos_sin.dtype == torch.float32
+                and not kv.data.is_cuda
                 and all(type(getattr(layer, name)) is CpuWeight for layer in w.layers
                         for name in ("qkv", "o", "gate_up", "down"))
             )
             none = torch.empty(0)
+            f32 = lambda t: none if t is None else t.float().contiguous()  # noqa: E731  (a copy only if bf16)
             per = lambda f: [f(layer) for layer in w.layers]  # noqa: E731
             self._stack = (
-                per(lambda l: l.input_norm.contiguous()), per(lambda l: l.post_norm.contiguous()),
-                per(lambda l: l.qkv.packed), per(lambda l: none if l.qkv_bias is None else l.qkv_bias.contiguous()),
-                per(lambda l: l.o.packed), per(lambda l: none if l.o_bias is None else l.o_bias.contiguous()),
-                per(lambda l: l.gate_up.packed),
-                per(lambda l: none if l.gate_up_bias is None else l.gate_up_bias.contiguous()),
-                per(lambda l: l.down.packed), per(lambda l: none if l.down_bias is None else l.down_bias.contiguous()),
+                per(lambda l: f32(l.input_norm)), per(lambda l: f32(l.post_norm)),
+                per(lambda l: l.qkv.packed), per(lambda l: f32(l.qkv_bias)),
+                per(lambda l: l.o.packed), per(lambda l: f32(l.o_bias)),
+                per(lambda l: l.gate_up.packed), per(lambda l: f32(l.gate_up_bias)),
+                per(lambda l: l.down.packed), per(lambda l: f32(l.down_bias)),
                 list(kv.k_caches), list(kv.v_caches),
             ) if ok else None
         return self._stack

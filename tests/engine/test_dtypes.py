@@ -40,8 +40,14 @@ def test_kv_cache_dtype(model_dir, prompt_ids, fp32_tokens, kv_dtype, torch_dtyp
 @pytest.mark.slow
 def test_bf16_weights(model_dir, prompt_ids, fp32_tokens):
     eng = make_engine(model_dir, dtype="bfloat16", kv_cache_memory=0.05)
+    from services.engine.linear import CpuWeight, packed_decode
+
     assert eng.model.w.embed.dtype == torch.bfloat16 and eng.kv_pool.data.dtype == torch.bfloat16
-    assert eng.model.w.layers[0].qkv.is_mkldnn  # prepacked for oneDNN
+    qkv = eng.model.w.layers[0].qkv
+    if packed_decode(torch.bfloat16):  # prepacked for oneDNN (prefill) and packed pairs (decode)
+        assert type(qkv) is CpuWeight and qkv.dense.is_mkldnn and qkv.packed.dtype == torch.bfloat16
+    else:  # no avx512_bf16: oneDNN serves every step
+        assert qkv.is_mkldnn
     outs = eng.generate_sync(prompt_ids, P)
     first, exact = agreement(outs, fp32_tokens)
     assert first >= len(prompt_ids) - 1 and exact >= len(prompt_ids) // 2
@@ -98,4 +104,37 @@ def test_packed_decode_weights_agree_with_f_linear(out_features, in_features):
     rows = torch.randn(NATIVE_MAX_ROWS, in_features, generator=g)
     alone = torch.cat([linear(rows[i:i + 1], cw, b, True) for i in range(NATIVE_MAX_ROWS)])
     for n in range(1, NATIVE_MAX_ROWS + 1):  # every tile shape
+        assert torch.equal(linear(rows[:n], cw, b, True), alone[:n]), n
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (17, 576), (1000, 33)])
+def test_packed_bf16_gemm_agrees_with_a_float64_reference(out_features, in_features):
+    # bf16 weights: pairs of k per 64-byte line (odd K padded), float32 sums, one rounding to bf16
+    from services.engine.linear import NATIVE_MAX_ROWS, CpuWeight, linear, packed_decode
+
+    if not packed_decode(torch.bfloat16):
+        pytest.skip("no native build with avx512_bf16 dot products on this CPU")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    cw = CpuWeight(w)
+    assert cw.shape == (out_features, in_features) and cw.packed.shape == (-(-out_features // 16), -(-in_features // 2), 32)
+
+    def close(got, want):  # within one bf16 rounding of the exact sum (2^-8 relative) or a float32 slip
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 13, 25, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        close(linear(x, cw, b, True, max_rows=None), want)
+        close(linear(x, cw, None, True, max_rows=None), want - b.double())
+        close(linear(x, cw, b, False), want)  # oneDNN, the prefill layout
+    # a strided view of rows
+    x = torch.randn(6, in_features * 2, generator=g).bfloat16()[:, :in_features]
+    close(linear(x, cw, None, True), x.double() @ w.double().T)
+    # a decode row's result does not depend on the rows beside it
+    rows = torch.randn(NATIVE_MAX_ROWS, in_features, generator=g).bfloat16()
+    alone = torch.cat([linear(rows[i:i + 1], cw, b, True) for i in range(NATIVE_MAX_ROWS)])
+    for n in range(1, NATIVE_MAX_ROWS + 1):
         assert torch.equal(linear(rows[:n], cw, b, True), alone[:n]), n
