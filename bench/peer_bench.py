@@ -5,6 +5,7 @@
     python -m bench.peer_bench --systems vllm kvbus-aggregated --workloads single agentic --json out.json
     python -m bench.peer_bench --kvbus-args "--engine-args '--max-running-requests 16'"
     python -m bench.peer_bench --install-vllm                    # create the vLLM venv first if it is missing
+    python -m bench.peer_bench --systems kvbus-aggregated kvbus-1p1d --workloads agentic --cycles 3
 
 Each system runs ALONE on the machine: it is started, every selected workload runs against it, it is
 stopped (SIGTERM, then SIGKILL, and every process it started is checked gone), then the next one.
@@ -59,8 +60,13 @@ not used; every prompt is fresh random ids unless sharing is the point). Numbers
                and the wall time of the whole workload.
 
 Output: the machine, the command line, one table with a row per metric and a column per system, plus a
-``X / vllm`` ratio column for every kvbus system (for every metric: the kvbus value divided by vLLM's; each
-row says whether lower or higher is better). ``--json PATH`` writes every number and every request.
+``X / BASE`` ratio column for every other system, BASE being vllm when it runs, else the first system (for
+every metric: the system's value divided by BASE's; each row says whether lower or higher is better).
+``--json PATH`` writes every number and every request.
+
+``--cycles N`` runs the whole sequence of systems N times (a, b, a, b, ...), since this kind of VM's
+speed swings by 10-20% between runs: then a value is the median over cycles and a ratio the median of
+the cycles' own ratios (each taken between runs minutes apart), with every cycle's ratio beside it.
 """
 
 from __future__ import annotations
@@ -641,31 +647,50 @@ def fmt(v, kind: str) -> str:
     return f"{v:.1f}"
 
 
-def report(results: dict[str, dict], q: argparse.Namespace) -> str:
-    names = list(results)
-    peers = [n for n in names if n != "vllm"] if "vllm" in results else []
-    header = ["metric", *names, *(f"{n} / vllm" for n in peers)]
+def baseline(names: list[str]) -> str:
+    """What the ratio columns divide by: vllm when it ran, else the first system."""
+    return "vllm" if "vllm" in names else names[0]
+
+
+def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
+    """One table; with several cycles, medians over them and each cycle's ratio."""
+    names = list(dict.fromkeys(n for results in cycles for n in results))
+    base_name = baseline(names)
+    peers = [n for n in names if n != base_name]
+    header = ["metric", *names, *(f"{n} / {base_name}" for n in peers)]
     rows = []
     for workload, key, label, kind in metric_rows(q):
-        vals = [value(results[n], workload, key) for n in names]
+        def values(name: str) -> list:
+            return [v for r in cycles if name in r and (v := value(r[name], workload, key)) is not None]
+
+        if kind == "count":  # failed requests: the total over cycles
+            vals = [sum(values(n)) if values(n) else None for n in names]
+        else:
+            vals = [statistics.median(values(n)) if values(n) else None for n in names]
         ratios = []
-        base = value(results["vllm"], workload, key) if peers else None
         for n in peers:
-            v = value(results[n], workload, key)
-            ratios.append(f"{v / base:.2f}x" if v is not None and base else "-")
+            per_cycle = [v / b for r in cycles if n in r and base_name in r
+                         if (v := value(r[n], workload, key)) is not None and (b := value(r[base_name], workload, key))]
+            if not per_cycle or kind == "count":
+                ratios.append("-")
+            elif len(cycles) == 1:
+                ratios.append(f"{per_cycle[0]:.2f}x")
+            else:
+                ratios.append(f"{statistics.median(per_cycle):.2f}x ({' '.join(f'{x:.2f}' for x in per_cycle)})")
         rows.append([label, *(fmt(v, kind) for v in vals), *ratios])
     notes = []
     if "agentic" in q.workloads:
-        ideal = [value(results[n], "agentic", "ideal_cached_share") for n in names]
+        first = cycles[0]
+        ideal = [value(first[n], "agentic", "ideal_cached_share") for n in first]
         ideal = next((v for v in ideal if v is not None), None)
         if ideal is not None:
             notes.append(f"agentic: ideal cached share (longest prefix shared with an earlier prompt) "
                          f"{100 * ideal:.1f}%; largest prompt "
-                         f"{max((value(results[n], 'agentic', 'max_prompt_tokens') or 0) for n in names)} tokens")
+                         f"{max((value(first[n], 'agentic', 'max_prompt_tokens') or 0) for n in first)} tokens")
     if "prefix" in q.workloads:
         notes.append(f"prefix: ideal cached share {100 * 512 / 544:.1f}% (512 of 544)")
-    if "vllm" not in results:
-        notes.append("no vllm column: no ratios")
+    if len(cycles) > 1:
+        notes.append(f"{len(cycles)} cycles: medians over them; ratios: the median of each cycle's own (listed)")
     return table(rows, header) + "".join(f"\n{n}" for n in notes)
 
 
@@ -702,6 +727,8 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a server to become ready")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write every number and request here")
+    parser.add_argument("--cycles", type=int, default=1,
+                        help="run the systems this many times over, in turn; report medians and each cycle's ratio")
     q = parser.parse_args()
     quick = q.quick
     q.repeats = q.repeats or (2 if quick else 3)
@@ -711,6 +738,8 @@ def main() -> int:
     q.agentic_rounds = q.agentic_rounds or (2 if quick else 6)
     q.workloads = [w for w in WORKLOADS if w in q.workloads]
     systems = list(dict.fromkeys(q.systems))
+    if q.cycles < 1:
+        parser.error("--cycles must be >= 1")
 
     vllm_python = ensure_vllm(q.vllm_venv.expanduser(), q.install_vllm) if "vllm" in systems else None
     from services.models import resolve_model
@@ -728,31 +757,37 @@ def main() -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    results: dict[str, dict] = {}
+    cycles: list[dict[str, dict]] = []
     interrupted = False
     try:
-        for name in systems:
-            say(f"=== {name} ===")
-            results[name] = run_system(name, model_dir, q, log_dir, vllm_python)
-            time.sleep(2)  # let the machine settle between systems
+        for cycle in range(q.cycles):
+            cycles.append({})
+            cycle_logs = log_dir / f"cycle-{cycle + 1}" if q.cycles > 1 else log_dir
+            cycle_logs.mkdir(parents=True, exist_ok=True)
+            for name in systems:
+                say(f"=== {name}" + (f" (cycle {cycle + 1} of {q.cycles})" if q.cycles > 1 else "") + " ===")
+                cycles[-1][name] = run_system(name, model_dir, q, cycle_logs, vllm_python)
+                time.sleep(2)  # let the machine settle between systems
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted")
+    cycles = [c for c in cycles if c]
     print()
     print(f"machine: {machine()}")
     print(f"command: {command}")
-    if results:
-        print(report(results, q))
-    for name, r in results.items():
+    if cycles:
+        print(report(cycles, q))
+    runs = [r for c in cycles for r in c.values()]
+    for r in runs:
         if r.get("error"):
-            print(f"{name}: {r['error'].splitlines()[0]}")
+            print(f"{r['system']}: {r['error'].splitlines()[0]}")
     if q.json:
         q.json.write_text(json.dumps({"machine": machine(), "command": command, "model": str(model_dir),
                                       "config": {k: (str(v) if isinstance(v, Path) else v)
                                                  for k, v in vars(q).items()},
-                                      "results": results}, indent=1))
+                                      "results": cycles[0] if cycles else {}, "cycles": cycles}, indent=1))
         say(f"raw results: {q.json}")
-    failed = interrupted or any(r.get("error") or r.get("server_exited") for r in results.values())
+    failed = interrupted or any(r.get("error") or r.get("server_exited") for r in runs)
     return 1 if failed else 0
 
 
