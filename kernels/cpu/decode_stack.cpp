@@ -7,9 +7,11 @@
 //       -> (h, residual)
 //
 //   h            [T, H] float32, the embedded tokens (T <= the packed GEMM's rows: one per sequence)
-//   *_norm[l]    [H] float32;  qkv[l], o[l], gate_up[l], down[l]: packed weights [ceil(N/16), K, 16]
+//   *_norm[l]    [H] float32;  qkv[l], o[l], gate_up[l], down[l]: packed weights, float32
+//                [ceil(N/16), K, 16] or bfloat16 [ceil(N/16), ceil(K/2), 32] (packed_gemm.cpp)
 //   *_bias[l]    [N] float32, or an empty tensor for none
-//   k/v_caches[l] [num_pages, page_size, Hkv, D] float32 (written: this step's K and V)
+//   k/v_caches[l] [num_pages, page_size, Hkv, D] float32 or bfloat16 (written: this step's K and V,
+//                rounded to bfloat16 for a bfloat16 cache)
 //   positions, slot_mapping [T] int64; block_tables [B, max_pages] int32; seq_lens [B] int32
 //   cu_seqlens_q  empty: one row per sequence (B = T); else [B + 1] int32: sequence b's rows (its last
 //                token and the drafts it verifies) are rows cu[b] .. cu[b+1] - 1, attended as one
@@ -20,7 +22,8 @@
 // a shape check and a launcher (~15-20 us), which at one row is a quarter of the step (the step
 // split in docs/benchmarks.md). Here the same kernels run in the same order on the same values as
 // the per-op path of services/engine/llama.py (rms_norm, packed_gemm, rotary, store_kv,
-// paged_attention, silu_and_mul), so every output is bit-identical to it; only the trips through
+// paged_attention, silu_and_mul), so every output is bit-identical to it (with float32 weights: with
+// bfloat16 ones the loop keeps bfloat16 activations where this keeps float32); only the trips through
 // Python are gone. Each kernel keeps its own checks. Under the torch profiler each kernel still
 // shows under its op's name (RECORD_FUNCTION), so profiles split the step as before.
 
