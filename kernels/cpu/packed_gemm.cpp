@@ -42,7 +42,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +56,13 @@ constexpr int64_t PREFETCH_LINES = 16;
 constexpr int MAX_ROWS = 12;   // rows of one register tile (a group)
 constexpr int MAX_GROUPS = 4;  // groups sharing a tile (48 rows); more rows go slice by slice
 
+// Elements as float, and a float stored as one: float32 as is, bfloat16 (its bits in a uint16_t)
+// widened exactly and rounded to nearest even.
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) { return static_cast<float>(c10::BFloat16(v, c10::BFloat16::from_bits())); }
+inline void put(float* y, float v) { *y = v; }
+inline void put(uint16_t* y, float v) { *y = c10::BFloat16(v).x; }
+
 // The element types. A "line" is one 64-byte vector of a column block: 16 outputs at K_PER_LINE
 // consecutive k. X is one row's x over a line's k (broadcast to every output). A is the type of
 // x, the bias and y.
@@ -67,7 +73,6 @@ struct F32 {
   static constexpr int K_PER_LINE = 1;
   static X x_of(const A* row, int64_t l, int64_t) { return row[l]; }
   static float x_part(X x, int) { return x; }
-  static float to_float(W v) { return v; }
 };
 
 struct BF16 {
@@ -81,13 +86,7 @@ struct BF16 {
   static X x_of(const Y* row, int64_t l, int64_t K) {
     return bits(row[2 * l]) | (2 * l + 1 < K ? bits(row[2 * l + 1]) << 16 : 0u);
   }
-  static float x_part(X x, int p) { return to_float(static_cast<W>(x >> (16 * p))); }
-  static float to_float(uint16_t v) {
-    const uint32_t b = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  }
+  static float x_part(X x, int p) { return as_float(static_cast<W>(x >> (16 * p))); }
 };
 
 // bfloat16 weights, float32 rows: x is rounded to bfloat16 as the rows are laid out (what the
@@ -96,16 +95,10 @@ struct BF16_F32 : BF16 {
   using A = float;
 };
 
-inline float a_to_float(float v) { return v; }
-inline float a_to_float(uint16_t v) { return BF16::to_float(v); }
-inline float a_from_float(float v, const float*) { return v; }
-inline uint16_t a_from_float(float v, const uint16_t*) { return c10::BFloat16(v).x; }
-
 template <class T>
 constexpr int64_t LINE = 64 / sizeof(typename T::W);  // elements of one line
 
 #if defined(__AVX512F__)
-#define KVBUS_PACKED_SIMD 1
 
 // Loads, broadcasts and multiply-adds by weight type.
 template <class W> struct Dot;
@@ -285,12 +278,12 @@ void run_plain(const Gemm<T>& g, const int* start, int groups, int64_t) {
             for (int64_t l = 0; l < g.lines; ++l) {
               const typename T::X xv = xt[l * mr + j];
               float pair = 0.f;
-              for (int p = 0; p < P; ++p) pair += T::to_float(w[l * L + i * P + p]) * T::x_part(xv, p);
+              for (int p = 0; p < P; ++p) pair += as_float(w[l * L + i * P + p]) * T::x_part(xv, p);
               s += pair;
             }
             const int64_t n = c * 16 + i;
-            if (g.bp) s += a_to_float(g.bp[n]);
-            g.yrow[start[q] + j][n] = a_from_float(s, g.bp);
+            if (g.bp) s += as_float(g.bp[n]);
+            put(&g.yrow[start[q] + j][n], s);
           }
       }
     }
@@ -348,7 +341,7 @@ void packed_gemm_typed(const at::Tensor& x, const at::Tensor& wp, const std::opt
   A* yrow[MAX_GROUPS * MAX_ROWS];
   for (int64_t m = 0; m < M; ++m) yrow[m] = yp + m * ys;
   const Gemm<T> g{static_cast<const W*>(wp.data_ptr()), C, lines, N, xt.data(), yrow, bp, zero_w.data()};
-#if defined(KVBUS_PACKED_SIMD)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<typename T::W, float> || BF16_DOT) {
     run_simd<T>(g, start, groups, M);
     return;
