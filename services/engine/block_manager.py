@@ -164,6 +164,10 @@ class BlockManager:
             matched.append(page_id)
         return matched
 
+    def num_matched_pages(self, seq: Sequence) -> int:
+        """Full pages of ``seq``'s prefix the cache holds now (extends ``seq.page_hashes``)."""
+        return len(self._match(seq))
+
     # ---- admission -------------------------------------------------------
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:

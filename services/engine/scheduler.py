@@ -12,6 +12,9 @@ Policy, each step:
    waiting sequence gets pages for its whole prompt on admission (cached
    prefix pages are shared, not copied), so prefill never runs out of pages
    halfway. At most ``chunked_prefill_size`` tokens of one prompt per step.
+   A waiting sequence whose next uncached pages (>= ``defer_shared_tokens``)
+   a running prompt is computing waits, first in line, until they are cached;
+   those behind it may go ahead (see ``_waits_for_pending``).
 3. With mixed batches off, a step that has prefill work runs only prefill.
 
 Load-back (docs/hicache.md): a sequence admitted with pages a lower tier holds
@@ -67,6 +70,7 @@ class Scheduler:
         chunked_prefill_size: int,
         enable_mixed_batches: bool = True,
         max_spec_rows: int = 0,
+        defer_shared_tokens: int = 32,
     ):
         self.bm = block_manager
         self.max_running_requests = max_running_requests
@@ -74,6 +78,7 @@ class Scheduler:
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
         self.enable_mixed_batches = enable_mixed_batches
         self.max_spec_rows = max_spec_rows
+        self.defer_shared_tokens = max(1, defer_shared_tokens)  # see _waits_for_pending
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.loading: list[Sequence] = []  # admitted, waiting for lower-tier copies into their pages
@@ -193,8 +198,13 @@ class Scheduler:
             is_first = False
         if batch.out_of_pages:
             return
+        pending = self._pending_pages() if self.waiting and self.bm.enable_prefix_caching else set()
+        deferred: list[Sequence] = []
         while self.waiting and len(self.running) + len(self.loading) < self.max_running_requests and budget > 0:
             seq = self.waiting[0]
+            if pending and self._waits_for_pending(seq, pending):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.bm.can_allocate(seq, reserve=self._reserve()):
                 break
             if self.chunk_size is None and not is_first and seq.num_uncomputed_tokens > budget:
@@ -224,11 +234,44 @@ class Scheduler:
                 else:
                     self.num_import_gaps += 1
             self.running.append(seq)
+            if self.bm.enable_prefix_caching:
+                pending.update(self._uncomputed_page_hashes(seq))
             n = self._prefill_chunk(self._uncomputed(seq), budget, is_first)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
             is_first = False
+        self.waiting.extendleft(reversed(deferred))  # first in line again next step
+
+    # ---- prompts that share a prefix being computed ---------------------------------------------
+    # A waiting prompt whose next uncached pages some running prompt is computing right now (the
+    # same system prompt, four conversations arriving at once) is not admitted this step: next
+    # step those pages are in the prefix cache and it computes only what is its own. Admitting it
+    # would compute the shared pages twice, in the same step. Prompts behind it are admitted past
+    # it, and it goes first again at the next step (SGLang deprioritizes such requests alike).
+
+    def _uncomputed_page_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the full prompt pages ``seq`` has yet to compute."""
+        hashes = self.bm.update_hashes(seq)
+        return hashes[seq.num_computed_tokens // self.bm.page_size : seq.num_prompt_tokens // self.bm.page_size]
+
+    def _pending_pages(self) -> set[int]:
+        pending: set[int] = set()
+        for seq in self.running:
+            if not seq.is_decoding:
+                pending.update(self._uncomputed_page_hashes(seq))
+        return pending
+
+    def _waits_for_pending(self, seq: Sequence, pending: set[int]) -> bool:
+        """Whether at least ``defer_shared_tokens`` of ``seq``'s next uncached tokens are pages
+        in ``pending``."""
+        first = self.bm.num_matched_pages(seq)
+        hashes = seq.page_hashes  # extended by num_matched_pages
+        want = -(-self.defer_shared_tokens // self.bm.page_size)
+        run = 0
+        while run < want and first + run < len(hashes) and hashes[first + run] in pending:
+            run += 1
+        return run >= want
 
     def _uncomputed(self, seq: Sequence) -> int:
         """Tokens ``seq`` still has to compute; an imported sequence filling a gap before its

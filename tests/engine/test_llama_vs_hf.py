@@ -8,7 +8,7 @@ import torch
 from schemas.engine import SamplingParams
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
-from tests.engine.conftest import MAX_NEW_TOKENS, make_engine
+from tests.engine.conftest import _LONG, MAX_NEW_TOKENS, PROMPT_TEXTS, make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 LOGIT_ATOL = 5e-4  # logits reach ~30; observed max |diff| 5e-5 (F.linear) to 2.1e-4 (oneDNN prepacked)
@@ -91,11 +91,26 @@ def test_greedy_one_at_a_time_matches_hf(engine, prompt_ids, hf_greedy):
 
 
 @pytest.mark.slow
-def test_greedy_batched_matches_hf(engine, prompt_ids, hf_greedy):
+def test_greedy_batched_matches_hf(engine, prompt_ids, hf_greedy, monkeypatch):
     engine.block_manager.evict_all_cached()
+    # every prompt computed whole, side by side in one batch: none waits for the chat prompts'
+    # shared system prompt to be computed first (the scheduler's default)
+    monkeypatch.setattr(engine.scheduler, "defer_shared_tokens", 10**9)
     outs = generate(engine, prompt_ids)
     assert_matches(outs, hf_greedy, prompt_ids)
     assert all(o.usage.cached_prompt_tokens == 0 for o in outs)
+
+
+@pytest.mark.slow
+def test_greedy_batched_with_the_shared_prefix_computed_once_matches_hf(engine, prompt_ids, hf_greedy):
+    engine.block_manager.evict_all_cached()
+    outs = generate(engine, prompt_ids)
+    assert_matches(outs, hf_greedy, prompt_ids)
+    # prompts 3 and 6 open with the same passage: 3 computes it, 6 waits a step and takes it from
+    # the prefix cache; the others share nothing worth waiting for
+    assert PROMPT_TEXTS[3].startswith(_LONG) and PROMPT_TEXTS[6].startswith(_LONG)
+    assert outs[6].usage.cached_prompt_tokens >= 32
+    assert [i for i, o in enumerate(outs) if o.usage.cached_prompt_tokens] == [6]
 
 
 @pytest.mark.slow

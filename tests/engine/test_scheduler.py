@@ -348,3 +348,70 @@ def test_a_load_landed_while_the_step_waited_is_taken_at_the_next_schedule():
     assert batch.seqs == [b] and batch.num_new_tokens == [2]
     finished_all, _ = run_all(sched)
     assert finished_all == [b] and bm.num_free_pages == bm.num_pages
+
+
+# ---- a prompt whose prefix another prompt is computing waits for it instead of computing it too ----
+
+
+def test_a_prompt_sharing_an_uncomputed_prefix_waits_one_step_and_hits_the_cache():
+    # Four conversations arrive together with the same 40-token system prompt: computing it four
+    # times over in one step is what 1P1D's prefill worker did on the agentic replay.
+    bm, sched = make(max_prefill_tokens=200, chunked_prefill_size=100)
+    system = list(range(40))
+    convs = [Sequence(f"c{i}", system + [1000 * (i + 1) + j for j in range(20)], SamplingParams(max_tokens=1),
+                      max_model_len=1000) for i in range(4)]
+    for s in convs:
+        sched.add(s)
+    b1 = sched.schedule()
+    assert [s.request_id for s in b1.seqs] == ["c0"] and b1.num_new_tokens == [60]
+    assert [s.request_id for s in sched.waiting] == ["c1", "c2", "c3"]  # order kept
+    fake_step(sched, b1, [])
+    b2 = sched.schedule()
+    assert [s.request_id for s in b2.seqs] == ["c1", "c2", "c3"]
+    assert [s.num_cached_tokens for s in b2.seqs] == [40, 40, 40] and b2.num_new_tokens == [20, 20, 20]
+
+
+def test_unrelated_prompts_are_admitted_past_a_waiting_one():
+    bm, sched = make(max_prefill_tokens=200, chunked_prefill_size=100)
+    a = seq("a", 60)
+    b = seq("b", 50)  # shares a's first 48 tokens (12 pages), none computed yet
+    c = seq("c", 30, base=500)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a", "c"]
+    assert list(sched.waiting) == [b]
+
+
+def test_a_short_shared_prefix_is_computed_twice_rather_than_waited_for():
+    bm, sched = make(max_prefill_tokens=200, chunked_prefill_size=100)
+    a = seq("a", 40)
+    b = Sequence("b", list(range(8)) + [900 + j for j in range(40)], SamplingParams(max_tokens=1),
+                 max_model_len=1000)  # 8 shared tokens: under the 32-token threshold
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a", "b"]
+
+
+def test_the_waiting_prompt_goes_ahead_when_the_one_computing_its_prefix_is_aborted():
+    bm, sched = make(max_prefill_tokens=200, chunked_prefill_size=16)
+    a, b = seq("a", 80), seq("b", 80)
+    sched.add(a)
+    sched.add(b)
+    b1 = sched.schedule()
+    assert b1.seqs == [a] and b1.num_new_tokens == [16]  # chunked: a's prefix takes several steps
+    fake_step(sched, b1, [])
+    assert sched.schedule().seqs == [a]  # b still waits for a's next chunks
+    sched.remove(a)
+    b3 = sched.schedule()
+    assert b3.seqs == [b] and b.num_cached_tokens == 16  # the chunk a finished before its abort
+
+
+def test_without_prefix_caching_nothing_waits():
+    bm = BlockManager(64, PS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_running_requests=8, max_prefill_tokens=200, chunked_prefill_size=100)
+    a, b = seq("a", 60), seq("b", 60)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().seqs == [a, b]
