@@ -28,6 +28,7 @@ from pathlib import Path
 from bench.common import machine, median, read_bandwidth, table
 
 LAYERS, PAGE, NUM_KV, NUM_Q, HEAD_DIM = 30, 16, 3, 9, 64
+ROOT = Path(__file__).resolve().parent.parent  # this checkout
 
 
 def step_times(batch: int, ctx: int, dtype: str, hot: bool, steps: int) -> list[float]:
@@ -68,10 +69,9 @@ def child(args) -> None:
 
 def run_in(checkout: Path, args) -> dict[str, float]:
     # this file runs, importing the kernels (and their native build) of `checkout`
-    here = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--dtype", args.dtype,
            "--steps", str(args.steps), "--cases", *args.cases] + (["--hot"] if args.hot else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), str(here)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), str(ROOT)]))
     res = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"decode attention in {checkout} failed:\n{res.stderr[-2000:]}")
@@ -90,11 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    here = Path(__file__).resolve().parent.parent
     runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}
     for r in range(args.rounds if args.against else 1):
         print(f"[decode-attention] round {r + 1}: this checkout", file=sys.stderr, flush=True)
-        runs["this"].append(run_in(here, args))
+        runs["this"].append(run_in(ROOT, args))
         if args.against:
             print(f"[decode-attention] round {r + 1}: {args.against}", file=sys.stderr, flush=True)
             runs["against"].append(run_in(args.against.resolve(), args))

@@ -663,10 +663,9 @@ def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
         def values(name: str) -> list:
             return [v for r in cycles if name in r and (v := value(r[name], workload, key)) is not None]
 
-        if kind == "count":  # failed requests: the total over cycles
-            vals = [sum(values(n)) if values(n) else None for n in names]
-        else:
-            vals = [statistics.median(values(n)) if values(n) else None for n in names]
+        per_system = [values(n) for n in names]
+        total = sum if kind == "count" else statistics.median  # failed requests: the total over cycles
+        vals = [total(vs) if vs else None for vs in per_system]
         ratios = []
         for n in peers:
             per_cycle = [v / b for r in cycles if n in r and base_name in r
