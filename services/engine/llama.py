@@ -54,6 +54,11 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None = None  # [Bp + 1] int32
     prefill_seq_lens: torch.Tensor | None = None  # [Bp] int32
     prefill_max_seqlen_q: int = 0
+    # Set when only some rows sample and none verifies drafts: each sampling row's own block
+    # table and KV length (a decode row's, or the last row of a prompt whose chunk completes it).
+    # The last layer then runs attention, o-proj and MLP on those rows alone (LlamaModel._layers).
+    sample_block_tables: torch.Tensor | None = None  # [N, P] int32
+    sample_seq_lens: torch.Tensor | None = None  # [N] int32
 
 
 class LlamaModel:
@@ -86,10 +91,10 @@ class LlamaModel:
             h, residual = native.ops().decode_layers(
                 h.float(), *stack, positions, self.cos_sin, meta.slot_mapping, meta.decode_block_tables, cu,
                 meta.decode_seq_lens, self.scale, eps, mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+            if logits_indices is not None:
+                h, residual = h[logits_indices], residual[logits_indices]
         else:
-            h, residual = self._layers(h, positions, meta, packed)
-        if logits_indices is not None:
-            h, residual = h[logits_indices], residual[logits_indices]
+            h, residual = self._layers(h, positions, meta, packed, logits_indices)
         h, _ = rms_norm(h, w.norm if h.dtype == w.norm.dtype else w.norm.float(), eps, residual)
         return linear(h, w.lm_head, None, packed=True, max_rows=None).float()  # [N, V]
 
@@ -122,18 +127,37 @@ class LlamaModel:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    def _layers(self, h, positions, meta: AttentionMetadata, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(
+        self, h, positions, meta: AttentionMetadata, packed: bool, rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer; returns the hidden state and residual of ``rows`` only (None: all).
+
+        Nothing reads the last layer's output but the sampling rows' logits, so when the step
+        says which rows sample (``meta.sample_block_tables``), the last layer computes K and V
+        for every row (the cache needs them) and attention, o-proj and MLP for those rows alone:
+        at a 1,024-token prompt, 5/6 of a layer's projections and 1/30 of the attention. A row's
+        attention then runs in the decode kernel over its own KV, the same for a prompt whether
+        its prefix was cached or not."""
         eps = self.mc.rms_norm_eps
         residual = None
+        last = len(self.w.layers) - 1
+        narrow = rows is not None and meta.sample_block_tables is not None
         for i, layer in enumerate(self.w.layers):
             if residual is None:
                 x, residual = rms_norm(h, layer.input_norm, eps), h
             else:
                 x, residual = rms_norm(h, layer.input_norm, eps, residual)
-            h = self._attention(i, layer, x, positions, meta, packed)
+            if narrow and i == last:
+                residual = residual[rows]
+                if rows.numel() == 0:  # only unfinished prompt chunks: the last layer's KV is all
+                    self._attention(i, layer, x, positions, meta, packed, rows)
+                    return residual, residual
+            h = self._attention(i, layer, x, positions, meta, packed, rows if narrow and i == last else None)
             x, residual = rms_norm(h, layer.post_norm, eps, residual)
             gate_up = linear(x, layer.gate_up, layer.gate_up_bias, packed)
             h = linear(silu_and_mul(gate_up), layer.down, layer.down_bias, packed)
+        if rows is not None and not narrow:
+            h, residual = h[rows], residual[rows]
         return h, residual
 
     def decode_stack(self) -> tuple | None:
@@ -171,8 +195,10 @@ class LlamaModel:
 
     def _attention(
         self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        packed: bool,
-    ) -> torch.Tensor:
+        packed: bool, rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """K and V of every row into the cache; the attention output (o-proj applied) of every
+        row, or of ``rows`` alone (``meta.sample_*`` describe them; none: nothing returned)."""
         mc, kv = self.mc, self.kv
         T = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias, packed)  # [T, (Hq + 2 Hkv) D]
@@ -184,6 +210,14 @@ class LlamaModel:
         k_cache, v_cache = kv.k_caches[i], kv.v_caches[i]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode_tokens
+        if rows is not None:
+            if rows.numel() == 0:
+                return None
+            out = paged_decode_attention(
+                q[rows], k_cache, v_cache, meta.sample_block_tables, meta.sample_seq_lens, self.scale,
+                kv.k_scale, kv.v_scale,
+            )
+            return linear(out.view(rows.numel(), self.q_size), layer.o, layer.o_bias, packed)
         if nd == T:
             out = self._decode(q, k_cache, v_cache, meta)
         elif nd == 0:

@@ -39,6 +39,7 @@ class ModelRunner:
         slots: list[int] = []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        sampling_lens: list[int] = []  # each sampling row's KV length, with its own token
         dev = self.device
         meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=0)  # type: ignore[arg-type]
         if nd:
@@ -58,6 +59,7 @@ class ModelRunner:
                     sampling_rows.append(len(sampling_rows))
             meta.num_decode_tokens = len(input_ids)
             sampling_seqs.extend(decode)
+            sampling_lens.extend(s.num_computed_tokens + n for s, n in zip(decode, counts))
             meta.decode_block_tables = _block_table([s.page_ids for s in decode], dev)
             meta.decode_seq_lens = torch.tensor(
                 [s.num_computed_tokens + n for s, n in zip(decode, counts)], dtype=torch.int32, device=dev)
@@ -82,6 +84,7 @@ class ModelRunner:
                 if end == seq.num_tokens:  # prompt complete: its last row samples
                     sampling_rows.append(meta.num_decode_tokens + cu[-1] - 1)
                     sampling_seqs.append(seq)
+                    sampling_lens.append(end)
             meta.prefill_block_tables = _block_table([s.page_ids for s in prefill], dev)
             meta.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
             meta.prefill_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
@@ -92,6 +95,10 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         rows = None if len(sampling_rows) == len(input_ids) else torch.tensor(sampling_rows, dtype=torch.int64, device=dev)
+        if rows is not None and meta.decode_cu_seqlens_q is None:  # the last layer runs the sampling rows only
+            meta.sample_block_tables = (_block_table([s.page_ids for s in sampling_seqs], dev) if sampling_seqs
+                                        else torch.zeros((0, 1), dtype=torch.int32, device=dev))
+            meta.sample_seq_lens = torch.tensor(sampling_lens, dtype=torch.int32, device=dev)
         return ids, pos, meta, rows, sampling_seqs
 
     @torch.inference_mode()

@@ -73,6 +73,78 @@ def test_decode_and_mixed_step_logits(engine, hf_model, prompt_ids):
             bm.free(s)
 
 
+def _pool_pages(engine, seqs) -> torch.Tensor:
+    return engine.kv_pool.data[[pid for s in seqs for pid in s.page_ids]].clone()
+
+
+def test_the_last_layer_runs_only_the_sampling_rows(engine, hf_model, prompt_ids, monkeypatch):
+    """A step of two decoding sequences, a prompt that completes and a chunk that does not: the
+    last layer's o-proj and MLP run on the 3 sampling rows alone, their logits match HF and the
+    whole-step path, and every row's K and V reach the cache in every layer as in that path."""
+    import services.engine.llama as llama
+
+    a, b, c, d = prompt_ids[0], prompt_ids[1], prompt_ids[2], prompt_ids[3]
+    bm = engine.block_manager
+    bm.evict_all_cached()
+    seqs = [Sequence(r, p, GREEDY, max_model_len=8192) for r, p in zip("abcd", (a, b, c, d))]
+    sa, sb, sc, sd = seqs
+    rows_seen = []  # (layer's weight, rows) of every projection
+    real_linear = llama.linear
+    monkeypatch.setattr(llama, "linear", lambda x, w, *a, **k: rows_seen.append((w, x.shape[0])) or real_linear(x, w, *a, **k))
+    try:
+        for s in (sa, sb):
+            bm.allocate(s)
+            s.num_computed_tokens = 0
+        forward_all_rows(engine, [sa, sb], [len(a), len(b)], 0)
+        for s, t in ((sa, 42), (sb, 1337)):
+            s.token_ids.append(t)
+            bm.grow(s, s.num_tokens)
+        for s in (sc, sd):
+            bm.allocate(s)
+            s.num_computed_tokens = 0
+        chunk = len(d) // 2
+        batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1, len(c), chunk], num_decode=2)
+        ids, pos, meta, rows, sampling = engine.runner.prepare(batch)
+        assert rows.tolist() == [0, 1, 2 + len(c) - 1] and sampling == [sa, sb, sc]
+        assert meta.sample_seq_lens.tolist() == [len(a) + 1, len(b) + 1, len(c)]
+        rows_seen.clear()
+        with torch.inference_mode():
+            narrowed = engine.model.forward(ids, pos, meta, rows)
+        last = engine.model.w.layers[-1]
+        T = 2 + len(c) + chunk
+        assert [(w, n) for w, n in rows_seen if w is last.qkv] == [(last.qkv, T)]
+        for w in (last.o, last.gate_up, last.down):
+            assert [n for v, n in rows_seen if v is w] == [3]
+        assert [n for v, n in rows_seen if v is engine.model.w.layers[-2].o] == [T]
+        kv_narrowed = _pool_pages(engine, seqs)
+        meta.sample_block_tables = meta.sample_seq_lens = None  # the whole step, then its sampling rows
+        with torch.inference_mode():
+            whole = engine.model.forward(ids, pos, meta, rows)
+        assert torch.equal(_pool_pages(engine, seqs), kv_narrowed)
+        torch.testing.assert_close(narrowed, whole, atol=LOGIT_ATOL, rtol=0)
+        torch.testing.assert_close(narrowed[0], hf_logits(hf_model, a + [42])[-1], atol=LOGIT_ATOL, rtol=0)
+        torch.testing.assert_close(narrowed[1], hf_logits(hf_model, b + [1337])[-1], atol=LOGIT_ATOL, rtol=0)
+        torch.testing.assert_close(narrowed[2], hf_logits(hf_model, c)[-1], atol=LOGIT_ATOL, rtol=0)
+
+        # a step of prompt chunks alone samples nothing: the last layer only writes its K and V
+        sd.num_computed_tokens = chunk
+        batch = ScheduledBatch(seqs=[sd], num_new_tokens=[len(d) - chunk - 1], num_decode=0)
+        ids, pos, meta, rows, sampling = engine.runner.prepare(batch)
+        assert rows.numel() == 0 and not sampling and meta.sample_block_tables is not None
+        rows_seen.clear()
+        with torch.inference_mode():
+            assert engine.model.forward(ids, pos, meta, rows).shape == (0, engine.model_config.vocab_size)
+        assert not [w for w, _ in rows_seen if w in (last.o, last.gate_up, last.down)]
+        kv_narrowed = _pool_pages(engine, [sd])
+        meta.sample_block_tables = meta.sample_seq_lens = None
+        with torch.inference_mode():
+            engine.model.forward(ids, pos, meta, rows)
+        assert torch.equal(_pool_pages(engine, [sd]), kv_narrowed)
+    finally:
+        for s in seqs:
+            bm.free(s)
+
+
 def generate(engine, prompts, params=GREEDY):
     return engine.generate_sync(prompts, params)
 
