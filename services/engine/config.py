@@ -39,6 +39,18 @@ class EngineConfig:
     mem_fraction: float | None = None
     """Share of the memory free after loading weights given to the KV pool (CPU: MemAvailable); None: 0.25 on cpu, 0.85 on cuda."""
 
+    kv_prefault: bool = True
+    """CPU: map the KV pool's pages from the start, on a background thread at idle priority, so
+    that a step seldom waits on the kernel for a page it writes the first time; False: pages are
+    mapped as first written, and an idle pool costs no RAM."""
+
+    kv_huge_pages: bool = False
+    """CPU: back the KV pool with transparent huge pages. Decode attention reads its K and V
+    0.69-0.82x the time once the pages are mapped (2-core dev VM), but a huge page mapped the first
+    time cost ~5 ms there (a VM whose host takes freed memory back), so the agentic replay,
+    which writes fresh pages faster than ``kv_prefault`` maps them, ran 1.05x slower. Worth it on
+    a host where a fresh huge page costs what zeroing it does."""
+
     page_size: int = 16
     """Tokens per KV page: the unit of allocation, prefix caching, tiering and transfer."""
 

@@ -96,7 +96,8 @@ class LLMEngine(AsyncEngineMixin):
         )
         if num_pages < 2:
             raise ConfigError(f"the KV budget holds {num_pages} pages of {config.page_size} tokens; raise kv_cache_memory")
-        self.kv_pool = KVPool(mc, num_pages, config.page_size, kv_dtype, self.device, config.kv_fp8_scale)
+        self.kv_pool = KVPool(mc, num_pages, config.page_size, kv_dtype, self.device, config.kv_fp8_scale,
+                              prefault=config.kv_prefault, huge_pages=config.kv_huge_pages)
         self.block_manager = BlockManager(
             num_pages, config.page_size, salt=config.cache_salt,
             enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from services.engine.huge_pages import onto_huge_pages
 from services.engine.weights import ModelWeights
 
 NATIVE_MAX_ROWS = 48
@@ -96,6 +97,10 @@ def prepack_weights(w: ModelWeights) -> None:
         layer.qkv, layer.o = convert(layer.qkv), convert(layer.o)
         layer.gate_up, layer.down = convert(layer.gate_up), convert(layer.down)
     w.lm_head = convert(w.lm_head)  # a copy when tied: the embedding lookup needs the plain table
+    if both:  # the packed layouts in one mapping on huge pages, in the order a decode step reads them
+        packed = [*(p for layer in w.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)), w.lm_head]
+        for cw, t in zip(packed, onto_huge_pages([cw.packed for cw in packed])):
+            cw.packed = t
 
 
 def packed_decode(dtype: torch.dtype) -> bool:
