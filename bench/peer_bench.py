@@ -6,6 +6,7 @@
     python -m bench.peer_bench --kvbus-args "--engine-args '--max-running-requests 16'"
     python -m bench.peer_bench --install-vllm                    # create the vLLM venv first if it is missing
     python -m bench.peer_bench --systems kvbus-aggregated kvbus-1p1d --workloads agentic --cycles 3
+    python -m bench.peer_bench --systems kvbus-aggregated --against ../kvbus-before --cycles 2
 
 Each system runs ALONE on the machine: it is started, every selected workload runs against it, it is
 stopped (SIGTERM, then SIGKILL, and every process it started is checked gone), then the next one.
@@ -22,6 +23,10 @@ Systems (``--systems``):
   kvbus-aggregated  ``kvbus up --aggregated`` (services.local_system.LocalSystem), --kv-cache-memory
                     --kv-cache-gb, plus ``--kvbus-args``.
   kvbus-1p1d        ``kvbus up --prefill 1 --decode 1``, same options.
+  --against DIR     each kvbus system also runs from another checkout (a ``git worktree`` of an
+                    earlier commit: its code and its own native build) as ``<system>@<commit>``, just
+                    before this checkout's in every cycle; the ratio columns then read each system
+                    against its twin, so a change is measured against the previous path in one run.
 Both serve the same local Hugging Face folder (services.models.resolve_model, by default
 SmolLM2-135M-Instruct), float32 weights.
 
@@ -326,14 +331,17 @@ class VLLMServer:
 
 
 class KvbusServer:
-    def __init__(self, setup: str, model_dir: Path, args: argparse.Namespace, log_dir: Path):
+    def __init__(self, name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path):
+        """``name``: a kvbus system, or ``<system>@<label>`` for it run from ``args.against``."""
         from services.local_system import LocalSystem
 
+        setup, _, other = name.partition("@")
         extra = ("--kv-cache-memory", f"{args.kv_cache_gb:g}", "--ready-timeout", f"{args.start_timeout:g}",
                  *shlex.split(args.kvbus_args))
-        self.system = LocalSystem(*KVBUS_SETUPS[setup], *extra, model_dir=model_dir, timeout=args.start_timeout)
-        self.name = setup
-        self.log_path = log_dir / f"{setup}.log"
+        self.system = LocalSystem(*KVBUS_SETUPS[setup], *extra, model_dir=model_dir, timeout=args.start_timeout,
+                                  root=args.against if other else None)
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
         self.http_url: str | None = None
 
     def alive(self) -> bool:
@@ -652,12 +660,27 @@ def baseline(names: list[str]) -> str:
     return "vllm" if "vllm" in names else names[0]
 
 
+def against_label(checkout: Path) -> str:
+    """``@<short commit>`` of another checkout (its directory name where git cannot say)."""
+    res = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return "@" + (res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else checkout.name)
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(system, what it divides by) per ratio column: each system against its twin from
+    ``--against`` when there is one, else every system against :func:`baseline`."""
+    twins = [(n, t) for n in names if "@" not in n for t in names if t.partition("@")[0] == n and t != n]
+    if twins:
+        return twins
+    base_name = baseline(names)
+    return [(n, base_name) for n in names if n != base_name]
+
+
 def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
     """One table; with several cycles, medians over them and each cycle's ratio."""
     names = list(dict.fromkeys(n for results in cycles for n in results))
-    base_name = baseline(names)
-    peers = [n for n in names if n != base_name]
-    header = ["metric", *names, *(f"{n} / {base_name}" for n in peers)]
+    pairs = ratio_pairs(names)
+    header = ["metric", *names, *(f"{n} / {b}" for n, b in pairs)]
     rows = []
     for workload, key, label, kind in metric_rows(q):
         def values(name: str) -> list:
@@ -667,7 +690,7 @@ def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
         total = sum if kind == "count" else statistics.median  # failed requests: the total over cycles
         vals = [total(vs) if vs else None for vs in per_system]
         ratios = []
-        for n in peers:
+        for n, base_name in pairs:
             per_cycle = [v / b for r in cycles if n in r and base_name in r
                          if (v := value(r[n], workload, key)) is not None and (b := value(r[base_name], workload, key))]
             if not per_cycle or kind == "count":
@@ -726,6 +749,9 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a server to become ready")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write every number and request here")
+    parser.add_argument("--against", type=Path,
+                        help="another kvbus checkout: each kvbus system also runs from it (its code and native "
+                             "build), just before this checkout's, and the ratios read this checkout against it")
     parser.add_argument("--cycles", type=int, default=1,
                         help="run the systems this many times over, in turn; report medians and each cycle's ratio")
     q = parser.parse_args()
@@ -739,6 +765,12 @@ def main() -> int:
     systems = list(dict.fromkeys(q.systems))
     if q.cycles < 1:
         parser.error("--cycles must be >= 1")
+    if q.against is not None:
+        q.against = q.against.expanduser().resolve()
+        if not (q.against / "services" / "cli.py").is_file():
+            parser.error(f"--against {q.against}: not a kvbus checkout (no services/cli.py)")
+        label = against_label(q.against)  # each kvbus system's twin runs just before it
+        systems = [t for n in systems for t in ([n] if n == "vllm" else [n + label, n])]
 
     vllm_python = ensure_vllm(q.vllm_venv.expanduser(), q.install_vllm) if "vllm" in systems else None
     from services.models import resolve_model

@@ -22,7 +22,9 @@ class LocalSystem:
     """
 
     def __init__(self, *args: str, model_dir: Path | None = None, timeout: float = 240.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, root: Path | None = None):
+        """``root``: the checkout whose code runs (default: this one), for benchmarks that
+        compare two."""
         argv = [sys.executable, "-m", "services.cli", "up", "--nats-port", "0", "--http-port", "0",
                 "--metrics-port", "0", "--kv-cache-memory", "0.5", *args]
         if model_dir is not None:
@@ -30,6 +32,9 @@ class LocalSystem:
         self.argv = argv
         self.timeout = timeout
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.root = Path(root) if root is not None else ROOT
+        if root is not None:  # `python -m` puts the cwd first anyway; PYTHONPATH covers child imports
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.root), self.env.get("PYTHONPATH")]))
         self.lines: list[str] = []
         self.nats_url: str | None = None
         self.http_url: str | None = None
@@ -39,7 +44,7 @@ class LocalSystem:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LocalSystem":
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(self.argv, cwd=self.root, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + self.timeout

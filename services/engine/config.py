@@ -39,17 +39,19 @@ class EngineConfig:
     mem_fraction: float | None = None
     """Share of the memory free after loading weights given to the KV pool (CPU: MemAvailable); None: 0.25 on cpu, 0.85 on cuda."""
 
-    kv_prefault: bool = True
-    """CPU: map the KV pool's pages from the start, on a background thread at idle priority, so
-    that a step seldom waits on the kernel for a page it writes the first time; False: pages are
-    mapped as first written, and an idle pool costs no RAM."""
+    kv_prefault: bool = False
+    """CPU: map every page of the KV pool when the engine starts (~0.2 s a GB on the 2-core dev
+    VM; the whole pool's RAM is committed then), so that no step waits on the kernel for a page it
+    writes the first time. Off by default: served single-stream decode measured 1.11x slower with
+    it on the dev VM (docs/engine.md, "Pages"). False: pages are mapped as first written, and an
+    idle pool costs no RAM."""
 
     kv_huge_pages: bool = False
-    """CPU: back the KV pool with transparent huge pages. Decode attention reads its K and V
-    0.69-0.82x the time once the pages are mapped (2-core dev VM), but a huge page mapped the first
-    time cost ~5 ms there (a VM whose host takes freed memory back), so the agentic replay,
-    which writes fresh pages faster than ``kv_prefault`` maps them, ran 1.05x slower. Worth it on
-    a host where a fresh huge page costs what zeroing it does."""
+    """CPU: back the KV pool with transparent huge pages. Decode attention reads its K and V in
+    0.69-0.82x the time on them (2-core dev VM), but there a huge page mapped the first time costs
+    ~5 ms (2.5 s a GB, against 0.2 s for 4 KiB pages: the VM's balloon hands freed memory back to
+    its host), paid as requests first write them (the agentic replay ran 1.05x slower), or with
+    ``kv_prefault`` at start. Worth it on a host where a fresh huge page costs what zeroing it does."""
 
     page_size: int = 16
     """Tokens per KV page: the unit of allocation, prefix caching, tiering and transfer."""

@@ -1,18 +1,17 @@
-"""CPU tensors on transparent huge pages, for the memory every step reads across: the KV pool and
-the packed decode weights.
+"""CPU tensors in anonymous mappings of their own: on transparent huge pages (the packed decode
+weights; the KV pool with ``kv_huge_pages``), and mapped all at once (the KV pool, ``kv_prefault``).
 
-A decode step reads each sequence's K and V as a 12 KiB slice per page and layer, scattered over
-a pool of gigabytes, and streams every packed weight (540 MB for the default model in fp32). On
-4 KiB pages both walk the page tables again every few kilobytes. Backed by 2 MiB pages, the pool
-and the weights of a step fit the TLB. Measured on the 2-core dev VM (docs/engine.md, "Huge
-pages"): decode attention over 30 cold layers 13-22% faster at 4 x 3000, 8 x 1000 and 1 x 3000,
-and a decode step's projections 2-9% faster.
+A decode step streams every packed weight (540 MB for the default model in fp32) and reads each
+sequence's K and V as a 12 KiB slice per page and layer, scattered over the pool. On 4 KiB pages
+both walk the page tables again every few kilobytes; on 2 MiB pages they fit the TLB. Measured on
+the 2-core dev VM (docs/engine.md, "CPU notes", "Pages"): all 121 projections 0.82-0.90x the time
+on huge pages, decode attention over 30 cold layers 0.69-0.82x.
 
 Linux backs a mapping with huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``always``, or ``madvise`` (most distributions' default) and the mapping asked for them, as these
 do. With ``never``, or where there is no ``madvise``, the same tensors sit on 4 KiB pages: slower,
-nothing else changes. Pages stay untouched, costing no RAM, until first written, as with
-``torch.empty``; a huge page commits its 2 MiB at once.
+nothing else changes. Pages stay untouched, costing no RAM, until first written or mapped by
+:func:`populate`, as with ``torch.empty``; a huge page commits its 2 MiB at once.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import threading
-import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -65,7 +63,7 @@ def huge_page_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], huge: bo
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` on huge pages (``huge=False``: on 4 KiB pages, in a
-    mapping of its own that a :class:`Populator` can map ahead)."""
+    mapping of its own that :func:`populate` can map at once)."""
     return huge_page_tensors([(shape, dtype)], huge)[0]
 
 
@@ -89,53 +87,27 @@ def _madvise_populate(start: int, length: int) -> bool:
         return False
 
 
-class Populator:
-    """Faults in every page of a contiguous CPU tensor from a background thread at idle priority
-    (``SCHED_IDLE``: it runs only on a core nothing else wants), front to back in ``chunk``-byte
-    steps, so that a later first write does not wait on the kernel for a fresh page. A fresh
-    huge page costs more than zeroing it where the machine is a VM whose host takes freed memory
-    back (the dev VM's balloon: 2.5 s a GB of huge pages against 0.3 s a GB of 4 KiB pages), and
-    then a 1,024-token prompt's first write of 47 MB of KV waits ~0.1 s for them.
+def populate(t: torch.Tensor, threads: int | None = None) -> None:
+    """Map every page of the contiguous CPU tensor ``t`` now, so that no later first write waits
+    on the kernel for a fresh page. Its values become unspecified (zeros where freshly mapped):
+    call it before anything is written. ``MADV_POPULATE_WRITE`` (Linux 5.14+) over ``threads``
+    slices at once (default: every core this process may use), else a pass of zeros.
 
-    Safe beside writers: ``MADV_POPULATE_WRITE`` never changes a page already there, only maps
-    the missing ones (zeroed). Where the kernel lacks it (before 5.14) nothing is populated and
-    pages are faulted in as first written. It holds the tensor only while it maps a chunk, and
-    stops once the tensor is gone. ``done`` is set when the whole tensor is in, or it stopped."""
-
-    def __init__(self, t: torch.Tensor, chunk: int = 32 << 20):
-        self.done = threading.Event()
-        self.populated = 0  # bytes, front to back
-        self._ref, self._chunk = weakref.ref(t), chunk
-        self._start, self._end = t.data_ptr() & ~(mmap.PAGESIZE - 1), t.data_ptr() + t.numel() * t.element_size()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvbus-populate", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            if hasattr(os, "sched_setscheduler"):
-                try:
-                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
-                except OSError:
-                    pass
-            pos = self._start
-            while pos < self._end and not self._stopping:
-                t = self._ref()  # held while mapping, so the memory cannot go away meanwhile
-                if t is None:
-                    break
-                n = min(self._chunk, self._end - pos)
-                ok = _madvise_populate(pos, n)
-                del t
-                if not ok:
-                    break
-                pos += n
-                self.populated = pos - self._start
-        finally:
-            self.done.set()
+    Measured on the 2-core dev VM: 0.2 s a GB of 4 KiB pages on two threads (0.35 s on one);
+    huge pages cost 2.5 s a GB there, since the VM's balloon hands freed memory back to the host,
+    which must back it again."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    start, end = t.data_ptr() & ~(mmap.PAGESIZE - 1), t.data_ptr() + nbytes
+    step = -(-(end - start) // max(1, threads) // mmap.PAGESIZE) * mmap.PAGESIZE
+    slices = [(a, min(step, end - a)) for a in range(start, end, step)]
+    with ThreadPoolExecutor(len(slices), thread_name_prefix="kvbus-populate") as pool:
+        done = list(pool.map(lambda s: _madvise_populate(*s), slices))  # ctypes lets go of the GIL
+    if not all(done):
+        t.view(torch.uint8).zero_()
 
 
 def mapping_of(t: torch.Tensor) -> dict[str, str]:

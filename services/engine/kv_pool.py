@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from services.engine.huge_pages import Populator, huge_page_empty
+from services.engine.huge_pages import huge_page_empty, populate
 from services.engine.model_config import ModelConfig
 
 GB = 1024**3
@@ -53,14 +53,13 @@ class KVPool:
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        # NOTE: uninitialized. On CPU, untouched pages cost no RAM until first written, or until
-        # ``prefault``'s idle-priority thread maps them (the engine's default, EngineConfig.kv_prefault).
+        # NOTE: uninitialized. On CPU, ``prefault`` maps every page now (the engine's default,
+        # EngineConfig.kv_prefault); else untouched pages cost no RAM until first written.
         shape = (num_pages, mc.num_layers, 2, page_size, mc.num_kv_heads, mc.head_dim)
-        self.populator: Populator | None = None
         if device.type == "cpu":  # EngineConfig.kv_huge_pages says when huge pages pay (huge_pages.py)
             self.data = huge_page_empty(shape, dtype, huge=huge_pages)
-            if prefault:  # front to back: the block manager hands out pages in id order
-                self.populator = Populator(self.data)
+            if prefault:
+                populate(self.data)
         else:
             self.data = torch.empty(shape, dtype=dtype, device=device)
         self.k_caches = [self.data[:, layer, 0] for layer in range(mc.num_layers)]

@@ -10,16 +10,30 @@ import torch
 
 from services.engine.huge_pages import (
     HUGE_PAGE,
-    Populator,
     _madvise_populate,
     huge_page_empty,
     huge_page_tensors,
     mapping_of,
     onto_huge_pages,
+    populate,
 )
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_smaps = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps")
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s pages in RAM now (mincore(2)), whatever mapping the kernel merged it into."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() & ~(mmap.PAGESIZE - 1)
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // mmap.PAGESIZE)))()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
 
 
 def _asked_for_huge_pages(t: torch.Tensor) -> bool:
@@ -84,47 +98,34 @@ def _can_populate() -> bool:
 
 
 @needs_smaps
-def test_the_populator_maps_every_page_and_changes_no_value():
-    if not _can_populate():
-        pytest.skip("no MADV_POPULATE_WRITE (Linux < 5.14)")
-    t = huge_page_empty((3 * HUGE_PAGE // 4 + 1000,), torch.float32)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_populate_maps_every_page_and_changes_no_value(threads):
+    t = huge_page_empty((3 * HUGE_PAGE // 4 + 1000,), torch.float32, huge=False)
     gen = torch.Generator().manual_seed(2)
     head = torch.randn(50_000, generator=gen)
-    t[:50_000] = head  # written before: the populator must leave it as it is
-    p = Populator(t, chunk=1 << 20)
-    assert p.done.wait(60)
-    nbytes = t.numel() * 4
-    assert p.populated >= nbytes
-    assert int(mapping_of(t)["Rss"].split()[0]) * 1024 >= nbytes
-    assert torch.equal(t[:50_000], head)
+    t[:50_000] = head  # written before: a page already there is left as it is
+    assert _resident_bytes(t) < t.numel() * 4
+    populate(t, threads)
+    assert _resident_bytes(t) >= t.numel() * 4
+    if _can_populate():
+        assert torch.equal(t[:50_000], head)
     assert t[50_000:].abs().sum().item() == 0  # the rest mapped fresh: zeros
 
 
-def test_the_populator_stops_once_its_tensor_is_gone():
-    t = huge_page_empty((64 * HUGE_PAGE // 4,), torch.float32)
-    p = Populator(t, chunk=1 << 20)
-    del t
-    import gc
-
-    gc.collect()
-    assert p.done.wait(60)
-
-
 @needs_smaps
-def test_the_engine_keeps_its_packed_weights_on_huge_pages_and_maps_its_pool_ahead(model_dir):
+def test_the_engine_keeps_its_packed_weights_on_huge_pages_and_maps_its_pool(model_dir):
     if not THP.exists() or "[never]" in THP.read_text():
         pytest.skip("transparent huge pages are off on this kernel")
     from services.engine import EngineConfig, LLMEngine
     from services.engine.linear import CpuWeight
 
     eng = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.05, load_tokenizer=False))
-    assert not _asked_for_huge_pages(eng.kv_pool.data)  # kv_huge_pages is off by default
-    assert eng.kv_pool.populator is not None and eng.kv_pool.populator.done.wait(60)
-    if _can_populate():
-        assert eng.kv_pool.populator.populated >= eng.kv_pool.num_bytes
-    huge = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.05, load_tokenizer=False,
-                                  kv_huge_pages=True, kv_prefault=False))
-    assert _asked_for_huge_pages(huge.kv_pool.data) and huge.kv_pool.populator is None
+    assert not _asked_for_huge_pages(eng.kv_pool.data)  # kv_huge_pages and kv_prefault are off by default
+    assert _resident_bytes(eng.kv_pool.data) < eng.kv_pool.num_bytes / 2
+    mapped = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.05, load_tokenizer=False,
+                                    kv_huge_pages=True, kv_prefault=True))
+    assert _asked_for_huge_pages(mapped.kv_pool.data)
+    assert _resident_bytes(mapped.kv_pool.data) >= mapped.kv_pool.num_bytes
     w = eng.model.w
     packed = [getattr(layer, n) for layer in w.layers for n in ("qkv", "o", "gate_up", "down")] + [w.lm_head]
     if not all(type(p) is CpuWeight for p in packed):

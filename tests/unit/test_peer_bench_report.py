@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.peer_bench import baseline, report
+from bench.peer_bench import against_label, baseline, ratio_pairs, report
 
 
 def _q() -> argparse.Namespace:
@@ -42,3 +42,25 @@ def test_cycles_report_medians_and_the_median_of_each_cycles_own_ratio():
                                        "1.10x (1.10 0.90 1.25)"]
     assert _row(text, "failed requests") == ["failed requests (lower better)", "3", "0", "-"]  # totals, no ratio
     assert "3 cycles" in text
+
+
+def test_with_another_checkout_each_system_reads_against_its_twin():
+    assert ratio_pairs(["vllm", "kvbus-aggregated@abc1234", "kvbus-aggregated", "kvbus-1p1d@abc1234", "kvbus-1p1d"]) == [
+        ("kvbus-aggregated", "kvbus-aggregated@abc1234"), ("kvbus-1p1d", "kvbus-1p1d@abc1234")]
+    assert ratio_pairs(["vllm", "kvbus-aggregated"]) == [("kvbus-aggregated", "vllm")]
+    runs = {"kvbus-aggregated@abc1234": _run("kvbus-aggregated@abc1234", 40.0), "kvbus-aggregated": _run("kvbus-aggregated", 36.0),
+            "kvbus-1p1d@abc1234": _run("kvbus-1p1d@abc1234", 50.0), "kvbus-1p1d": _run("kvbus-1p1d", 55.0)}
+    text = report([runs], _q())
+    assert "kvbus-aggregated / kvbus-aggregated@abc1234" in text and "kvbus-1p1d / kvbus-1p1d@abc1234" in text
+    assert _row(text, "wall time")[-2:] == ["0.90x", "1.10x"]
+
+
+def test_against_names_the_other_checkout_by_its_commit(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert against_label(root) == "@" + head.stdout.strip()
+    assert against_label(tmp_path) == "@" + tmp_path.name  # not a git checkout
