@@ -108,26 +108,3 @@ def populate(t: torch.Tensor, threads: int | None = None) -> None:
         done = list(pool.map(lambda s: _madvise_populate(*s), slices))  # ctypes lets go of the GIL
     if not all(done):
         t.view(torch.uint8).zero_()
-
-
-def mapping_of(t: torch.Tensor) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds ``t``'s first element (the kernel
-    merges neighbouring mappings alike): ``VmFlags`` has ``hg`` where huge pages were asked for,
-    ``AnonHugePages`` says how much of it they back now. Empty where there is no smaps."""
-    addr = t.data_ptr()
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head, _, rest = line.partition(" ")
-                if not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
-                    if inside:
-                        break
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= addr < hi
-                elif inside:
-                    fields[head[:-1]] = rest.strip()
-    except OSError:
-        return {}
-    return fields

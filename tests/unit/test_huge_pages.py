@@ -13,13 +13,35 @@ from services.engine.huge_pages import (
     _madvise_populate,
     huge_page_empty,
     huge_page_tensors,
-    mapping_of,
     onto_huge_pages,
     populate,
 )
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_smaps = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps")
+
+
+def mapping_of(t: torch.Tensor) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``t``'s first element (the kernel
+    merges neighbouring mappings alike): ``VmFlags`` has ``hg`` where huge pages were asked for,
+    ``AnonHugePages`` says how much of it they back now. Empty where there is no smaps."""
+    addr = t.data_ptr()
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head, _, rest = line.partition(" ")
+                if not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
+                    if inside:
+                        break
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside:
+                    fields[head[:-1]] = rest.strip()
+    except OSError:
+        return {}
+    return fields
 
 
 def _resident_bytes(t: torch.Tensor) -> int:
