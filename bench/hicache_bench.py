@@ -1,12 +1,17 @@
 """HiCache: a multi-turn agent workload with L1 only, L1+L2 and no prefix cache, in one process.
 
-    python -m bench.hicache_bench                 # full run: 8 users x 6 rounds (~15-25 min on 2 cores)
+    python -m bench.hicache_bench                 # full run: 8 users x 6 rounds (~4 min on 2 cores)
     python -m bench.hicache_bench --quick         # 3 users x 3 rounds, tiny turns (< 1 min): a check only
 
 Workload: every user resends its whole history each round (previous prompt + answer + a new
 message of --turn-tokens random tokens); users take turns (u0 r0, u1 r0, ..., u0 r1, ...). L1 is
 sized to about two users' final history, so by the time a user comes back its pages left L1.
 The kv_store core runs in this process (LocalLink), on the real shared-memory arena.
+
+The three modes run side by side, one engine each: every turn goes to all three, one after the
+other, in an order that rotates from turn to turn, and the decode-step comparison alternates steps
+between its two engines. So a swing of the machine's speed (10-20% over minutes on the dev VM)
+falls on every mode alike and the ratios are of work done at the same time.
 
 Rows:
   TTFT p50, rounds >= 2      per mode; ratios L1+L2 / L1 only (goal <= 0.3) and / no prefix cache
@@ -54,17 +59,24 @@ def ttft(engine, prompt: list[int], max_tokens: int, rid: str) -> tuple[float, l
     return first, out, cached
 
 
-def agent_workload(engine, users: int, rounds: int, turn: int, max_tokens: int, seed: int = 0):
+def agent_workload(engines: dict, users: int, rounds: int, turn: int, max_tokens: int, seed: int = 0) -> dict:
+    """Every turn on every engine, in a rotating order; rows per engine name."""
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    history = [[] for _ in range(users)]
-    rows = []  # (round, ttft, prompt tokens, cached tokens, of which from the host tier)
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    names = list(engines)
+    history = {name: [[] for _ in range(users)] for name in names}
+    rows = {name: [] for name in names}  # (round, ttft, prompt tokens, cached tokens, of which from the host tier)
+    k = 0
     for r in range(rounds):
         for u in range(users):
-            history[u] += [rng.randrange(100, vocab - 100) for _ in range(turn)]
-            t, out, cached = ttft(engine, history[u], max_tokens, f"u{u}r{r}")
-            rows.append((r, t, len(history[u]), sum(cached), cached[1]))
-            history[u] += out
+            message = [rng.randrange(100, vocab - 100) for _ in range(turn)]
+            for name in names[k % len(names):] + names[: k % len(names)]:
+                h = history[name][u]
+                h += message
+                t, out, cached = ttft(engines[name], h, max_tokens, f"u{u}r{r}")
+                rows[name].append((r, t, len(h), sum(cached), cached[1]))
+                h += out
+            k += 1
     return rows
 
 
@@ -94,25 +106,23 @@ def main() -> None:
     print(machine())
     print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, L1 {l1_gb * 1024:.1f} MB")
 
+    core = StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
+    client = HostTierClient(LocalLink(core), owner="bench")
+    engines = {mode: make_engine(model, l1_gb, client if mode == "l1+l2" else None, prefix=mode != "none")
+               for mode in ("none", "l1", "l1+l2")}
+    all_rows = agent_workload(engines, args.users, args.rounds, args.turn_tokens, args.max_tokens)
     results = {}
-    for mode in ("none", "l1", "l1+l2"):
-        core = client = None
-        if mode == "l1+l2":
-            core = StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
-            client = HostTierClient(LocalLink(core), owner="bench")
-        engine = make_engine(model, l1_gb, client, prefix=mode != "none")
-        rows = agent_workload(engine, args.users, args.rounds, args.turn_tokens, args.max_tokens)
+    for mode, rows in all_rows.items():
         later = [r for r in rows if r[0] >= 1]
         results[mode] = dict(
             p50=percentile([r[1] for r in later], 50),
             hit=sum(r[3] for r in later) / max(1, sum(r[2] for r in later)),
             hit_host=sum(r[4] for r in later) / max(1, sum(r[2] for r in later)),
-            stats=dict(client.stats) if client else {},
+            stats=dict(client.stats) if mode == "l1+l2" else {},
             prefill_per_token=sum(r[1] for r in rows) / sum(r[2] - r[3] for r in rows),
         )
-        if core is not None:
-            core.close()
-        del engine
+    core.close()
+    del engines
     l2 = results["l1+l2"]["stats"]
     loaded_tokens = l2.get("loaded_back", 0) * 16
     print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit'] - r['hit_host']:.0%}", f"{r['hit_host']:.0%}"]
@@ -127,27 +137,26 @@ def main() -> None:
         pf = results["none"]["prefill_per_token"]
         print(f"load-back {lb * 1e6:.1f} us/token vs prefill {pf * 1e6:.1f} us/token: {pf / lb:.0f}x cheaper (goal >= 20x)")
 
-    # Decode steps with write-back copies running (write_through: a copy for every new page) vs no tier.
-    steps = {}
-    for mode in ("none", "write-back"):
-        core = client = None
-        if mode != "none":
-            core = StoreCore(KVStoreConfig(hicache_size=0.05 if args.quick else 0.5, memory_reserve=0.5))
-            client = HostTierClient(LocalLink(core), owner="bench-decode", write_policy="write_through")
-        engine = make_engine(model, l1_gb * 2, client)
-        n = 8 if args.quick else 64
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    # Decode steps with write-back copies running (write_through: a copy for every new page) vs no
+    # tier, the two engines stepping in turn.
+    core = StoreCore(KVStoreConfig(hicache_size=0.05 if args.quick else 0.5, memory_reserve=0.5))
+    client = HostTierClient(LocalLink(core), owner="bench-decode", write_policy="write_through")
+    engines = {"none": make_engine(model, l1_gb * 2), "write-back": make_engine(model, l1_gb * 2, client)}
+    n = 8 if args.quick else 64
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    times = {mode: [] for mode in engines}
+    for mode, engine in engines.items():
         rng = random.Random(1)
         for i in range(4):
             engine.add_request(f"d{i}", [rng.randrange(100, 20000) for _ in range(40)], params)
-        times = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        steps[mode] = percentile(times[2:], 50)
-        if core is not None:
-            core.close()
+    while any(e.has_unfinished() for e in engines.values()):
+        for mode, engine in engines.items():
+            if engine.has_unfinished():
+                t = time.perf_counter()
+                engine.step()
+                times[mode].append(time.perf_counter() - t)
+    steps = {mode: percentile(ts[2:], 50) for mode, ts in times.items()}
+    core.close()
     print(f"decode step p50: {steps['none'] * 1e3:.1f} ms without a tier, {steps['write-back'] * 1e3:.1f} ms with "
           f"write-through copies: {steps['write-back'] / steps['none']:.3f}x (goal <= 1.05x)")
     print("1P1D KV bytes per turn: python -m bench.disagg_turns_bench")

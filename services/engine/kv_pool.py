@@ -53,8 +53,8 @@ class KVPool:
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        # NOTE: uninitialized. On CPU, ``prefault`` maps every page now (the engine's default,
-        # EngineConfig.kv_prefault); else untouched pages cost no RAM until first written.
+        # NOTE: uninitialized. On CPU untouched pages cost no RAM until first written, unless
+        # ``prefault`` maps them all now (EngineConfig.kv_prefault).
         shape = (num_pages, mc.num_layers, 2, page_size, mc.num_kv_heads, mc.head_dim)
         if device.type == "cpu":  # EngineConfig.kv_huge_pages says when huge pages pay (huge_pages.py)
             self.data = huge_page_empty(shape, dtype, huge=huge_pages)

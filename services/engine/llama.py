@@ -147,12 +147,12 @@ class LlamaModel:
                 x, residual = rms_norm(h, layer.input_norm, eps), h
             else:
                 x, residual = rms_norm(h, layer.input_norm, eps, residual)
-            if narrow and i == last:
-                residual = residual[rows]
-                if rows.numel() == 0:  # only unfinished prompt chunks: the last layer's KV is all
-                    self._attention(i, layer, x, positions, meta, packed, rows)
+            only = rows if narrow and i == last else None  # the rows this layer's output is for
+            h = self._attention(i, layer, x, positions, meta, packed, only)
+            if only is not None:
+                residual = residual[only]
+                if h is None:  # no row samples (unfinished prompt chunks): the last layer's KV was all
                     return residual, residual
-            h = self._attention(i, layer, x, positions, meta, packed, rows if narrow and i == last else None)
             x, residual = rms_norm(h, layer.post_norm, eps, residual)
             gate_up = linear(x, layer.gate_up, layer.gate_up_bias, packed)
             h = linear(silu_and_mul(gate_up), layer.down, layer.down_bias, packed)

@@ -61,8 +61,7 @@ class ModelRunner:
             sampling_seqs.extend(decode)
             sampling_lens.extend(s.num_computed_tokens + n for s, n in zip(decode, counts))
             meta.decode_block_tables = _block_table([s.page_ids for s in decode], dev)
-            meta.decode_seq_lens = torch.tensor(
-                [s.num_computed_tokens + n for s, n in zip(decode, counts)], dtype=torch.int32, device=dev)
+            meta.decode_seq_lens = torch.tensor(sampling_lens, dtype=torch.int32, device=dev)  # theirs alone so far
             widest = max(counts)
             if widest > 1:
                 cu = [0]
