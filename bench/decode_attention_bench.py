@@ -8,8 +8,8 @@
 A step is what the engine's decode attention does for one token of every sequence: 30 layers of
 the default model's shapes (9 q heads, 3 kv heads, head_dim 64, page 16) over one pool in the
 engine's layout ([pages, layers, 2, page, Hkv, D], pages handed out in a random order) and, as the
-engine allocates it, on transparent huge pages (``--pages 4k``: on 4 KiB pages), each layer read
-once: cold, from DRAM, as in serving. ``--hot`` reads layer 0 every time instead (the
+engine allocates it by default, on 4 KiB pages (``--pages huge``: on transparent huge pages, as
+with ``kv_huge_pages``), each layer read once: cold, from DRAM, as in serving. ``--hot`` reads layer 0 every time instead (the
 compute-bound rate, the data in cache). GB/s counts the K and V bytes read.
 
 ``--against DIR``: the same cases on another checkout's kernels (its own native build), in
@@ -34,7 +34,7 @@ LAYERS, PAGE, NUM_KV, NUM_Q, HEAD_DIM = 30, 16, 3, 9, 64
 ROOT = Path(__file__).resolve().parent.parent  # this checkout
 
 
-def step_times(batch: int, ctx: int, dtype: str, hot: bool, steps: int, pages_kind: str = "huge") -> list[float]:
+def step_times(batch: int, ctx: int, dtype: str, hot: bool, steps: int, pages_kind: str = "4k") -> list[float]:
     import torch
 
     from kernels.attention_cpu import paged_decode_attention_cpu
@@ -44,7 +44,7 @@ def step_times(batch: int, ctx: int, dtype: str, hot: bool, steps: int, pages_ki
     pages = -(-ctx // PAGE)
     num_pages = batch * pages + 16
     shape = (num_pages, LAYERS, 2, PAGE, NUM_KV, HEAD_DIM)
-    pool = huge_page_empty(shape, getattr(torch, dtype)) if pages_kind == "huge" else torch.empty(shape, dtype=getattr(torch, dtype))
+    pool = huge_page_empty(shape, getattr(torch, dtype), huge=pages_kind == "huge")  # a mapping of its own, as the engine's
     pool.copy_(torch.randn(shape, generator=gen))
     tables = torch.randperm(num_pages, generator=gen)[: batch * pages].view(batch, pages).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hot", action="store_true", help="read layer 0 every time (data in cache)")
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--pages", choices=("huge", "4k"), default="huge", help="what backs the pool")
+    parser.add_argument("--pages", choices=("huge", "4k"), default="4k", help="what backs the pool")
     parser.add_argument("--against", type=Path, help="another checkout whose kernels run alternately")
     parser.add_argument("--compare-pages", action="store_true",
                         help="alternate the pool on huge pages (this) and on 4 KiB pages (against)")

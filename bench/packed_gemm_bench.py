@@ -71,10 +71,10 @@ def main() -> None:
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
         if args.compare_pages:  # alternating, so both see the same phase of the machine
-            pair = [best_of(packed_pass, 1), best_of(lambda: packed_pass(small_pages), 1)]
-            for _ in range(args.reps - 1):
-                pair = [min(pair[0], best_of(packed_pass, 1)), min(pair[1], best_of(lambda: packed_pass(small_pages), 1))]
-            best, small = pair
+            best = small = float("inf")
+            for _ in range(args.reps):
+                best = min(best, best_of(packed_pass, 1))
+                small = min(small, best_of(lambda: packed_pass(small_pages), 1))
         else:
             best = best_of(packed_pass, args.reps)
         row = [str(m), f"{best * 1e3:.1f}", f"{nbytes / best / 1e9:.1f}", f"{best / floor:.2f}x"]
