@@ -450,7 +450,9 @@ inline void scores_block(const float* const* krow, const float* zero, int jmax, 
 // at_b = at_b * alpha_b + sum over keys [0, jmax) of P_b[j] * V[j], NB groups, DC dims at a time.
 template <int NB, int D>
 inline void values_block(const float* const* vrow, int jmax, const float* S, const __m512* alpha, float* const* at) {
-  constexpr int L = LANES, DC = 16, TN = TILE_WIDE;
+  // NB * DC accumulators plus NB weight vectors stay in the 32 registers (2 x 16 spilled five of
+  // them to the stack: a load and a store per key)
+  constexpr int L = LANES, DC = NB == 1 ? 16 : 8, TN = TILE_WIDE;
   for (int d0 = 0; d0 < D; d0 += DC) {
     __m512 a[NB][DC];
     for (int b = 0; b < NB; ++b)
@@ -570,14 +572,23 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
           float* lp = Lv + (gi0 + bi) * L;
           const __m512 m_old = _mm512_loadu_ps(mp);
           __m512 mx = m_old;
-          for (int j = 0; j < jg; ++j)
-            mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), mx, _mm512_loadu_ps(Sb + j * L));
-          alpha[bi] = _mm512_mask_blend_ps(any, one, exp512(_mm512_sub_ps(m_old, mx)));
           __m512 w[TN];
+          // Every lane sees every key up to jg (all but a prompt's diagonal tiles): no masks, and
+          // the max in four independent chains (max is exact, so the order does not change it).
+          const bool full = _mm512_cmpge_epi32_mask(rel, _mm512_set1_epi32(jg)) == static_cast<__mmask16>(0xFFFF);
+          if (full) {
+            __m512 mc[4] = {mx, mx, mx, mx};
+            for (int j = 0; j < jg; ++j) mc[j % 4] = _mm512_max_ps(mc[j % 4], _mm512_loadu_ps(Sb + j * L));
+            mx = _mm512_max_ps(_mm512_max_ps(mc[0], mc[1]), _mm512_max_ps(mc[2], mc[3]));
+          } else {
+            for (int j = 0; j < jg; ++j)
+              mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), mx, _mm512_loadu_ps(Sb + j * L));
+          }
+          alpha[bi] = _mm512_mask_blend_ps(any, one, exp512(_mm512_sub_ps(m_old, mx)));
           for (int j = 0; j < TN; ++j) {
             if (j < jg) {
-              const __mmask16 vis = _mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j));
-              w[j] = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(_mm512_loadu_ps(Sb + j * L), mx)));
+              const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(Sb + j * L), mx));
+              w[j] = full ? e : _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(rel, _mm512_set1_epi32(j)), e);
               _mm512_storeu_ps(Sb + j * L, w[j]);
             } else {
               w[j] = _mm512_setzero_ps();
