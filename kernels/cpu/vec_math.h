@@ -46,8 +46,8 @@ inline __m512 exp512(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  // y * 2^n in one instruction: the product by an exact power of two that the scalar path builds
-  // from exponent bits (n >= -126 after the clamp, so the same normal number, bit for bit)
+  // y * 2^n in one instruction, the same product as y times a 2^n built from exponent bits:
+  // after the clamp n >= -126 and the result is a normal number, so the bits are the same
   return _mm512_scalef_ps(y, n);
 }
 #endif
