@@ -2,17 +2,30 @@
 9 q heads, 3 kv heads, head_dim 64, intermediate 1536, vocab 49152, page 16).
 
     python -m bench.kernels_bench [--iters 50] [--cases decode,sample]
+    python -m bench.kernels_bench --cases prefill_attention --against ../kvbus-before --rounds 3
 
 Always times the plain-torch references on CPU, and the native CPU kernels (kernels/cpu/, the
 engine's CPU path where they exist, called 30 layers x every step) beside them with the ratio.
 Where CUDA exists it also times the Triton launchers and the references on the GPU and prints
 the ratio. Figures swing 20-30% between runs on shared machines.
+
+``--against DIR`` measures a kernel change against the previous path: the CPU cases run in a child
+process from each checkout in turn (DIR first, then this one, ``--rounds`` times; each checkout
+has its own native build), and the table gives each case's native time in both and the ratio of
+this checkout's to DIR's, the median of each round's own ratio with the rounds listed. The
+reference's ratio, the same torch code in both, shows how far the machine's speed moved between
+the two processes of a round.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -113,29 +126,85 @@ def time_call(fn, args, iters: int, device: str) -> float:
     return median(samples)
 
 
+def time_cpu(keep, iters: int) -> dict[str, tuple[float, float | None]]:
+    """case -> (reference us, native us or None) on the CPU."""
+    out = {}
+    for name, (kernel, call_args) in cases("cpu").items():
+        if keep(name):
+            fn = KERNELS[kernel].reference if kernel else compute_logprobs
+            ref_us = time_call(fn, call_args, iters, "cpu")
+            native = KERNELS[kernel].cpu if kernel else None
+            out[name] = (ref_us, time_call(native, call_args, iters, "cpu")
+                         if native is not None and native_ok(call_args) else None)
+    return out
+
+
+def against_report(rounds: list[tuple[dict, dict]], before: str, after: str) -> str:
+    """Per case: native us in ``before`` and ``after`` (medians over rounds), after / before as the
+    median of each round's own ratio (rounds listed), and the reference's after / before."""
+    def ratios(i: int, name: str) -> list[float]:
+        return [a[name][i] / b[name][i] for b, a in rounds
+                if name in a and name in b and a[name][i] is not None and b[name][i]]
+
+    rows = []
+    for name in dict.fromkeys(n for b, a in rounds for n in (*b, *a)):
+        native = ratios(1, name)
+        if not native:
+            continue
+        rows.append([name, f"{median([b[name][1] for b, _ in rounds if b.get(name, (0, None))[1]]):.1f}",
+                     f"{median([a[name][1] for _, a in rounds if a.get(name, (0, None))[1]]):.1f}",
+                     f"{median(native):.3f}x ({' '.join(f'{r:.2f}' for r in native)})",
+                     f"{median(ratios(0, name)):.3f}x"])
+    return table(rows, ["case", f"{before} native us", f"{after} native us", f"{after} / {before}",
+                        "reference, same code"])
+
+
+def run_against(args, checkout: Path) -> None:
+    """Alternate child processes between ``checkout`` and this one; print :func:`against_report`."""
+    here = Path(__file__).resolve().parents[1]
+    label = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True).stdout.strip() or checkout.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--iters", str(args.iters),
+           "--cases", args.cases, "--threads", str(args.threads)]
+    rounds = []
+    for r in range(args.rounds):
+        pair = []
+        for root in (checkout, here):
+            # this script, that checkout's kernels (and its native build): PYTHONPATH puts it first
+            res = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                                 text=True)
+            if res.returncode != 0:
+                sys.exit(f"kernels bench in {root} failed:\n{res.stderr[-2000:]}")
+            pair.append({k: tuple(v) for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()})
+        rounds.append(tuple(pair))
+        print(f"# round {r + 1} of {args.rounds} done", file=sys.stderr)
+    print(f"# kernels bench, {label} against this checkout: {machine()}, {args.rounds} rounds\n")
+    print(against_report(rounds, f"@{label}", "this"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names to run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--against", type=Path, help="another checkout (e.g. a git worktree of an earlier commit): "
+                                                     "its CPU kernels against this one's, alternating processes")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: processes per checkout")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --against's worker: JSON out
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     wanted = [s for s in args.cases.split(",") if s]
     keep = lambda name: not wanted or any(w in name for w in wanted)  # noqa: E731
+    if args.against is not None:
+        return run_against(args, args.against.expanduser().resolve())
+    if args.child:
+        print(json.dumps(time_cpu(keep, args.iters)))
+        return
 
     print(f"# kernels bench: {machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    rows = []
-    for name, (kernel, call_args) in cases("cpu").items():
-        if keep(name):
-            fn = KERNELS[kernel].reference if kernel else compute_logprobs
-            ref_us = time_call(fn, call_args, args.iters, "cpu")
-            native = KERNELS[kernel].cpu if kernel else None
-            if native is not None and native_ok(call_args):
-                nat_us = time_call(native, call_args, args.iters, "cpu")
-                rows.append([name, f"{ref_us:.1f}", f"{nat_us:.1f}", f"{ref_us / nat_us:.2f}x"])
-            else:
-                rows.append([name, f"{ref_us:.1f}", "", ""])
+    rows = [[name, f"{ref_us:.1f}", *(("", "") if nat_us is None else (f"{nat_us:.1f}", f"{ref_us / nat_us:.2f}x"))]
+            for name, (ref_us, nat_us) in time_cpu(keep, args.iters).items()]
     print("CPU, plain-torch references and native kernels (median us per call)\n")
     print(table(rows, ["case", "reference us", "native us", "speedup"]))
 
