@@ -6,6 +6,8 @@ import contextlib
 import os
 import platform
 import statistics
+import subprocess
+from pathlib import Path
 
 from services.natsd import local_nats_server as nats_server  # noqa: F401  (re-exported for the benches)
 
@@ -33,6 +35,13 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def against_label(checkout: Path) -> str:
+    """``@<short commit>`` of another checkout (its directory name where git cannot say): how the
+    benches' ``--against`` name the previous path."""
+    res = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return "@" + (res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else checkout.name)
 
 
 def read_bandwidth(reps: int = 5) -> float:

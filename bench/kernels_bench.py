@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+# NOTE: --against runs this file with another checkout's packages first on the path, so these
+# imports name only what older checkouts have too.
 from bench.common import machine, median, table
 from kernels import KERNELS, rope_cos_sin_cache
 from kernels.sampling import compute_logprobs
@@ -161,9 +163,10 @@ def against_report(rounds: list[tuple[dict, dict]], before: str, after: str) -> 
 
 def run_against(args, checkout: Path) -> None:
     """Alternate child processes between ``checkout`` and this one; print :func:`against_report`."""
+    from bench.common import against_label  # the parent's own: a child imports the other checkout's bench
+
     here = Path(__file__).resolve().parents[1]
-    label = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True).stdout.strip() or checkout.name
+    label = against_label(checkout)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--iters", str(args.iters),
            "--cases", args.cases, "--threads", str(args.threads)]
     rounds = []
@@ -178,8 +181,8 @@ def run_against(args, checkout: Path) -> None:
             pair.append({k: tuple(v) for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()})
         rounds.append(tuple(pair))
         print(f"# round {r + 1} of {args.rounds} done", file=sys.stderr)
-    print(f"# kernels bench, {label} against this checkout: {machine()}, {args.rounds} rounds\n")
-    print(against_report(rounds, f"@{label}", "this"))
+    print(f"# kernels bench, this checkout against {label}: {machine()}, {args.rounds} rounds\n")
+    print(against_report(rounds, label, "this"))
 
 
 def main() -> None:

@@ -95,7 +95,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.common import machine, table
+from bench.common import against_label, machine, table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -658,12 +658,6 @@ def fmt(v, kind: str) -> str:
 def baseline(names: list[str]) -> str:
     """What the ratio columns divide by: vllm when it ran, else the first system."""
     return "vllm" if "vllm" in names else names[0]
-
-
-def against_label(checkout: Path) -> str:
-    """``@<short commit>`` of another checkout (its directory name where git cannot say)."""
-    res = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return "@" + (res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else checkout.name)
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from bench.peer_bench import against_label, baseline, ratio_pairs, report
+from bench.common import against_label
+from bench.peer_bench import baseline, ratio_pairs, report
 
 
 def _q() -> argparse.Namespace:
