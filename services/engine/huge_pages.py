@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,7 @@ def huge_page_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], huge: bo
     mapping on huge pages (``huge=False``: on 4 KiB pages, even where THP is ``always``), each
     starting on a 64-byte line. The mapping lives as long as any of them (each holds a reference
     to it)."""
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
@@ -76,15 +77,22 @@ def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _madvise_populate(start: int, length: int) -> bool:
-    """Fault in [start, start + length) writable without writing it (Linux 5.14+); False where
-    the kernel or C library cannot."""
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` (looked up once: find_library runs ldconfig), or None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        return libc.madvise(start, length, _MADV_POPULATE_WRITE) == 0
+        return libc.madvise
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _madvise_populate(start: int, length: int) -> bool:
+    """Fault in [start, start + length) writable without writing it (Linux 5.14+); False where
+    the kernel or C library cannot."""
+    madvise = _madvise()
+    return madvise is not None and madvise(start, length, _MADV_POPULATE_WRITE) == 0
 
 
 def populate(t: torch.Tensor, threads: int | None = None) -> None:
