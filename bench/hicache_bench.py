@@ -8,13 +8,15 @@ message of --turn-tokens random tokens); users take turns (u0 r0, u1 r0, ..., u0
 sized to about two users' final history, so by the time a user comes back its pages left L1.
 The kv_store core runs in this process (LocalLink), on the real shared-memory arena.
 
-The three modes run side by side, one engine each: every turn goes to all three, one after the
+The modes run side by side, one engine each: every turn goes to all of them, one after the
 other, in an order that rotates from turn to turn, and the decode-step comparison alternates steps
 between its two engines. So a swing of the machine's speed (10-20% over minutes on the dev VM)
 falls on every mode alike and the ratios are of work done at the same time.
 
 Rows:
-  TTFT p50, rounds >= 2      per mode; ratios L1+L2 / L1 only (goal <= 0.3) and / no prefix cache
+  TTFT p50, rounds >= 2      per mode; ratios L1+L2 / L1 only (goal <= 0.3) and / no prefix cache,
+                             and L1+L2 / "l1+l2 pages" (its own L2, tails off: whole pages only,
+                             the path before tails; block_manager.py)
   hit rate                   cached prompt tokens / prompt tokens, and the part loaded from L2
   load-back vs prefill       seconds per token loaded back vs per token prefilled (goal >= 20x cheaper)
   decode step, write-back    mean decode step with write_through copies running vs no tier (goal <= 1.05x)
@@ -36,11 +38,11 @@ from schemas.engine import SamplingParams
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def make_engine(model, kv_gb: float, hooks=None, prefix: bool = True, max_running: int = 8):
+def make_engine(model, kv_gb: float, hooks=None, prefix: bool = True, max_running: int = 8, tails: bool = True):
     from services.engine import EngineConfig, LLMEngine
 
     cfg = EngineConfig(model=model, kv_cache_memory=kv_gb, load_tokenizer=False, enable_prefix_caching=prefix,
-                       max_running_requests=max_running)
+                       max_running_requests=max_running, reuse_tail_pages=tails)
     return LLMEngine(cfg, tier_hooks=hooks)
 
 
@@ -106,10 +108,12 @@ def main() -> None:
     print(machine())
     print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, L1 {l1_gb * 1024:.1f} MB")
 
-    core = StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
-    client = HostTierClient(LocalLink(core), owner="bench")
-    engines = {mode: make_engine(model, l1_gb, client if mode == "l1+l2" else None, prefix=mode != "none")
-               for mode in ("none", "l1", "l1+l2")}
+    cores = {mode: StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
+             for mode in ("l1+l2", "l1+l2 pages")}
+    clients = {mode: HostTierClient(LocalLink(core), owner="bench") for mode, core in cores.items()}
+    # "l1+l2 pages": the path before tails (whole pages only), for the tails' own ratio
+    engines = {mode: make_engine(model, l1_gb, clients.get(mode), prefix=mode != "none", tails=mode != "l1+l2 pages")
+               for mode in ("none", "l1", "l1+l2", "l1+l2 pages")}
     all_rows = agent_workload(engines, args.users, args.rounds, args.turn_tokens, args.max_tokens)
     results = {}
     for mode, rows in all_rows.items():
@@ -118,18 +122,23 @@ def main() -> None:
             p50=percentile([r[1] for r in later], 50),
             hit=sum(r[3] for r in later) / max(1, sum(r[2] for r in later)),
             hit_host=sum(r[4] for r in later) / max(1, sum(r[2] for r in later)),
-            stats=dict(client.stats) if mode == "l1+l2" else {},
+            stats=dict(clients[mode].stats) if mode in clients else {},
             prefill_per_token=sum(r[1] for r in rows) / sum(r[2] - r[3] for r in rows),
         )
-    core.close()
+    tails = engines["l1+l2"].block_manager.num_tail_hits, engines["l1+l2"].block_manager.num_tail_loads
+    for core in cores.values():
+        core.close()
     del engines
     l2 = results["l1+l2"]["stats"]
-    loaded_tokens = l2.get("loaded_back", 0) * 16
+    loaded_tokens = sum(r[4] for r in all_rows["l1+l2"])  # (a tail page holds fewer than 16)
     print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit'] - r['hit_host']:.0%}", f"{r['hit_host']:.0%}"]
                  for m, r in results.items()],
                 ["mode", "TTFT p50 rounds>=2 (ms)", "prompt tokens hit in L1", "hit in L2/L3"]))
     print(f"TTFT ratio L1+L2 / L1 only: {results['l1+l2']['p50'] / results['l1']['p50']:.2f} (goal <= 0.3)")
     print(f"TTFT ratio L1+L2 / no prefix cache: {results['l1+l2']['p50'] / results['none']['p50']:.2f}")
+    print(f"TTFT ratio L1+L2 / L1+L2 whole pages only (the path before tails): "
+          f"{results['l1+l2']['p50'] / results['l1+l2 pages']['p50']:.3f}; tails reused from L1 {tails[0]}, "
+          f"loaded from L2 {tails[1]}")
     print(f"L1+L2 run: loaded back {loaded_tokens} tokens, written back {l2.get('written_back', 0)} pages "
           f"({l2.get('written_sync', 0)} at eviction), dropped {l2.get('dropped', 0)}")
     if loaded_tokens:

@@ -70,12 +70,14 @@ class KVStoreLookupRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Which leading pages does L2 hold (L3 hits are promoted into L2 first)?"""
 
     page_hashes: list[int]
+    first_of: bool = False
+    """Instead: the first of ``page_hashes`` L2 holds (the tails of one page, longest first)."""
 
 
 class KVStoreLookupReply(msgspec.Struct, frozen=True, kw_only=True):
     arena_name: str
     page_hashes: list[int]
-    """The leading run of the requested hashes that L2 holds now."""
+    """The leading run of the requested hashes that L2 holds now (``first_of``: at most one)."""
     slots: list[int]
 
 

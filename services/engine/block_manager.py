@@ -27,6 +27,16 @@ pages are indexed and ``seq.num_computed_tokens`` covers them (the first page
 that failed verification and everything after it is computed). A sequence freed
 while loading gives its pages back only when the copy landed: the copy thread
 never writes into a page someone else holds.
+
+Tail pages (token-granular reuse of a partial page): when a sequence is freed,
+the computed part of its last, partial page (the answer of a chat turn but its
+last token, which never went through the model) is indexed as a *tail* under
+``hash_tail(parent, those tokens)`` and cached like any page (LRU, lower tiers,
+KV events). A later request that holds the same full pages and then the same
+tokens copies the tail's rows into a fresh page of its own and computes only
+what follows: the next turn of the conversation recomputes 1 token of the
+answer, not up to ``page_size``. A tail is never owned by a sequence (it is only
+copied from), so its page is never written while indexed.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 
-from services.engine.page_hash import hash_page, root_hash
+from services.engine.page_hash import hash_page, hash_tail, root_hash
 from services.engine.sequence import Sequence
 from services.engine.tier_hooks import CacheTierHooks, combine
 
@@ -85,6 +95,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hooks: CacheTierHooks | list[CacheTierHooks] | None = None,
         write_back_window: int | None = None,
+        reuse_tails: bool = True,
     ):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"need num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
@@ -108,9 +119,15 @@ class BlockManager:
         self.num_async_loads = 0
         self.num_loads_cancelled = 0  # sequences freed while their pages were loading
         self._loaded: list[Sequence] = []  # loads landed, not yet reported by poll_loads
+        self.reuse_tails = enable_prefix_caching and reuse_tails
+        """Index the computed part of a freed sequence's partial last page and reuse it (a tail)."""
+        self.kv_pool = None  # tails are copied within it; no tails before bind()
+        self.num_tail_hits = 0  # tails reused from L1
+        self.num_tail_loads = 0  # tails loaded back from a lower tier
 
     def bind(self, kv_pool) -> None:
         """Hand the hooks the KV pool (it is built after the hooks are made)."""
+        self.kv_pool = kv_pool
         self.hooks.bind(kv_pool)
 
     # ---- counts ----------------------------------------------------------
@@ -195,13 +212,16 @@ class BlockManager:
         seq.page_ids = list(matched)
         seq.num_indexed_pages = len(matched)
         loaded = self._load_from_lower_tier(seq, may_wait)
-        if not seq.is_admitted_once and seq.loading_ticket is None:
-            seq.num_loaded_tokens = loaded * self.page_size
-        num_cached = (len(matched) + loaded) * self.page_size
         while len(seq.page_ids) < self.pages_for(seq.num_tokens):
             seq.page_ids.append(self._take_free_page())
-        seq.num_computed_tokens = num_cached
-        return num_cached
+        num_cached = (len(matched) + loaded) * self.page_size
+        tail = host_tail = 0
+        if seq.loading_ticket is None:  # (else the tail is looked for when the load lands)
+            tail, host_tail = self._reuse_tail(seq, len(matched) + loaded)
+            if not seq.is_admitted_once:
+                seq.num_loaded_tokens = loaded * self.page_size + host_tail
+        seq.num_computed_tokens = num_cached + tail
+        return seq.num_computed_tokens
 
     def _load_from_lower_tier(self, seq: Sequence, may_wait: bool = False) -> int:
         start, limit = len(seq.page_ids), self._cacheable_pages(seq)
@@ -282,9 +302,10 @@ class BlockManager:
         n = max(0, min(num_loaded, limit - load.start))
         # Pages past the verified ones stay in seq (private, unindexed): they are computed.
         self.index_pages(seq, load.start + n, clean=True)
-        seq.num_computed_tokens = (load.start + n) * self.page_size
+        tail, host_tail = self._reuse_tail(seq, load.start + n)
+        seq.num_computed_tokens = (load.start + n) * self.page_size + tail
         if load.first_admission:
-            seq.num_loaded_tokens = n * self.page_size
+            seq.num_loaded_tokens = n * self.page_size + host_tail
         self.num_loaded_back += n
         self._loaded.append(seq)
 
@@ -294,6 +315,70 @@ class BlockManager:
         self.num_loads_cancelled += 1
         load.page_ids = list(seq.page_ids)
         seq.loading_ticket = None
+
+    # ---- tails -------------------------------------------------------------
+
+    def _keep_tail(self, seq: Sequence) -> None:
+        """Index the computed rows of ``seq``'s partial last page as a tail (``seq`` is being freed)."""
+        if not self.reuse_tails or self.kv_pool is None or seq.imported_kv is not None:
+            return
+        size = self.page_size
+        full, rows = divmod(seq.num_computed_tokens, size)
+        if rows == 0 or full >= len(seq.page_ids):
+            return
+        page = self.pages[seq.page_ids[full]]
+        if page.page_hash is not None or page.ref_count != 1:
+            return
+        parent = self.update_hashes(seq)[full - 1] if full else self.root_hash
+        tokens = tuple(seq.token_ids[full * size : full * size + rows])
+        h = hash_tail(parent, tokens)
+        if h in self.hash_to_page_id:
+            return  # the same tail is cached already
+        page.page_hash, page.token_ids, page.parent_hash, page.tier_state = h, tokens, parent, L1_ONLY
+        self.hash_to_page_id[h] = page.page_id
+        if self.hooks.on_stored(h, parent, page.page_id):
+            self._start_copy(page)
+
+    def tail_candidates(self, token_ids, k: int, parent: int) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Tokens and hashes of the tails that may follow ``k`` full pages (the last with hash
+        ``parent``) in a prompt of ``token_ids``, longest first; its last token is left out."""
+        start = k * self.page_size
+        tokens = [tuple(token_ids[start : start + m]) for m in range(min(self.page_size - 1, len(token_ids) - 1 - start), 0, -1)]
+        return tokens, [hash_tail(parent, t) for t in tokens]
+
+    def _reuse_tail(self, seq: Sequence, k: int) -> tuple[int, int]:
+        """Copy the longest cached tail after ``seq``'s first ``k`` full pages into its page ``k``.
+
+        Returns ``(tokens reused, of which loaded from a lower tier)``. The last token is
+        always left to compute (its logits are needed)."""
+        if not self.reuse_tails or self.kv_pool is None or seq.imported_kv is not None or k >= len(seq.page_ids):
+            return 0, 0
+        parent = self.update_hashes(seq)[k - 1] if k else self.root_hash
+        candidates, hashes = self.tail_candidates(seq.token_ids, k, parent)
+        if not candidates:
+            return 0, 0
+        dst = seq.page_ids[k]
+        for h, toks in zip(hashes, candidates):
+            page_id = self.hash_to_page_id.get(h)
+            if page_id is not None and self.pages[page_id].token_ids == toks:
+                self.kv_pool.data[dst, :, :, : len(toks)] = self.kv_pool.data[page_id, :, :, : len(toks)]
+                if page_id in self.cached_page_ids:
+                    self.cached_page_ids.move_to_end(page_id)
+                if self.hooks.on_hit(h, page_id):
+                    self._start_copy(self.pages[page_id])
+                self.num_tail_hits += 1
+                return len(toks), 0
+        if not self.hooks.is_tier:
+            return 0, 0
+        try:
+            i = self.hooks.find_tail(hashes)
+            if i is None or self.hooks.load_back([hashes[i]], [candidates[i]], [dst]) != 1:
+                return 0, 0
+        except Exception:  # a lower tier failing must not fail the request
+            log.exception("loading a tail page failed; recomputing it")
+            return 0, 0
+        self.num_tail_loads += 1
+        return len(candidates[i]), len(candidates[i])
 
     # ---- growth ----------------------------------------------------------
 
@@ -352,6 +437,7 @@ class BlockManager:
         if seq.loading_ticket is not None:
             self._cancel_load(seq)
         else:
+            self._keep_tail(seq)
             for page_id in reversed(seq.page_ids):
                 self._unref(page_id)
             if seq in self._loaded:  # landed but not yet handed back: nobody runs it now

@@ -76,6 +76,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV pages of earlier requests that share a prompt prefix."""
 
+    reuse_tail_pages: bool = True
+    """Prefix caching to the token: keep the computed part of a finished request's last, partial
+    page (a tail) and reuse it when a later prompt continues that request (the next chat turn)."""
+
     cache_salt: str = ""
     """Salt of the chained page hashes (model / tenant namespace); peers sharing pages must agree."""
 

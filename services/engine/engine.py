@@ -101,6 +101,7 @@ class LLMEngine(AsyncEngineMixin):
         self.block_manager = BlockManager(
             num_pages, config.page_size, salt=config.cache_salt,
             enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,
+            reuse_tails=config.reuse_tail_pages,
         )
         self.block_manager.bind(self.kv_pool)
         self.scheduler = Scheduler(

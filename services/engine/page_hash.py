@@ -8,7 +8,11 @@ result is identical across processes, machines and Python versions (no
 KV store and the KV events all use these values, so the function must never
 change without a new seed.
 
-Only full pages are hashed: a partial page's content can still change.
+Only full pages are named by the chain. The one exception is a *tail*: the
+computed part of a finished sequence's last, partial page (its KV no longer
+changes). :func:`hash_tail` names it from its parent and its 1 to page_size - 1
+tokens, in its own domain (a BLAKE2b personalization), so a tail never matches a
+full page and is never a parent.
 This module imports nothing heavy; the router and kv_store import it directly.
 """
 
@@ -34,6 +38,15 @@ def hash_page(parent: int, token_ids: Sequence[int]) -> int:
     """Hash of one page given its parent's hash and its token ids."""
     payload = parent.to_bytes(DIGEST_SIZE, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
     return int.from_bytes(hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest(), "little")
+
+
+TAIL_PERSON = b"kvbus-tail-v1"
+
+
+def hash_tail(parent: int, token_ids: Sequence[int]) -> int:
+    """Hash of a tail: the first ``len(token_ids)`` tokens of the page after ``parent``."""
+    payload = parent.to_bytes(DIGEST_SIZE, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=DIGEST_SIZE, person=TAIL_PERSON).digest(), "little")
 
 
 def page_hashes(

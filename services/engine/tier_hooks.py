@@ -69,6 +69,11 @@ class CacheTierHooks:
         """How many leading hashes of ``page_hashes`` a lower tier can load back (0: recompute)."""
         return 0
 
+    def find_tail(self, tail_hashes: Sequence[int]) -> int | None:
+        """Index of the first of ``tail_hashes`` a lower tier can load back, or None. They name
+        tails of one page (``page_hash.hash_tail``), longest first; a miss is not counted as one."""
+        return None
+
     def load_back(self, page_hashes: Sequence[int], token_ids: Sequence[Sequence[int]],
                   page_ids: Sequence[int]) -> int:
         """Fill ``page_ids`` with those pages; returns how many leading pages were loaded and
@@ -144,6 +149,9 @@ class TierHooksList(CacheTierHooks):
 
     def lookup(self, page_hashes) -> int:
         return self.tier.lookup(page_hashes)
+
+    def find_tail(self, tail_hashes):
+        return self.tier.find_tail(tail_hashes)
 
     def load_back(self, page_hashes, token_ids, page_ids) -> int:
         return self.tier.load_back(page_hashes, token_ids, page_ids)

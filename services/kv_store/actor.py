@@ -148,7 +148,11 @@ class KVStoreActor(Actor):
         self.core.touch(event.page_hashes)
 
     async def handle_lookup(self, req: KVStoreLookupRequest) -> KVStoreLookupReply:
-        found = await asyncio.to_thread(self.core.lookup, req.page_hashes)  # L3 reads may touch disk
+        if req.first_of:
+            first = await asyncio.to_thread(self.core.find_first, req.page_hashes)  # L3 reads may touch disk
+            found = [first] if first is not None else []
+        else:
+            found = await asyncio.to_thread(self.core.lookup, req.page_hashes)
         arena = self.core.arena
         return KVStoreLookupReply(arena_name=arena.name if arena else "", page_hashes=[h for h, _ in found],
                                   slots=[s for _, s in found])

@@ -273,6 +273,19 @@ class HostTierClient(CacheTierHooks):
         self.remember(arena_name, hashes, slots)
         return len(page_hashes) - len(todo) + len(hashes)
 
+    async def prefetch_tail(self, tail_hashes: Sequence[int]) -> bool:
+        """Before a request is queued: whether L2 holds one of a page's tails (``tail_hashes``,
+        longest first), learnt now so that :meth:`find_tail` needs no round trip."""
+        if not self.is_attached or not tail_hashes:
+            return False
+        if any(self._in_l2(h) for h in tail_hashes):
+            return True
+        arena_name, found = await self.link.find_first_async(tail_hashes)
+        if found is None:
+            return False
+        self.remember(arena_name, [found[0]], [found[1]])
+        return self._in_l2(found[0])
+
     def lookup(self, page_hashes) -> int:
         if not self.is_attached:
             return 0
@@ -288,6 +301,20 @@ class HostTierClient(CacheTierHooks):
             self.stats["misses"] += 1
             return 0
         return n
+
+    def find_tail(self, tail_hashes):
+        if not self.is_attached:
+            return None
+        for i, h in enumerate(tail_hashes):
+            if self._in_l2(h):
+                return i
+        if not self.link.is_local:  # over the bus: only what this engine wrote or prefetched
+            return None
+        arena_name, found = self.link.find_first(tail_hashes)
+        if found is None:
+            return None
+        self.remember(arena_name, [found[0]], [found[1]])
+        return list(tail_hashes).index(found[0]) if self._in_l2(found[0]) else None
 
     def load_back(self, page_hashes, token_ids, page_ids) -> int:
         t0 = time.perf_counter()

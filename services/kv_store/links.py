@@ -51,6 +51,14 @@ class LocalLink:
     async def lookup_async(self, hashes):
         return self.lookup(hashes)
 
+    def find_first(self, hashes):
+        arena = self.core.arena
+        found = self.core.find_first(hashes)
+        return (arena.name if arena else ""), found
+
+    async def find_first_async(self, hashes):
+        return self.find_first(hashes)
+
     async def aclose(self) -> None:
         pass
 
@@ -132,6 +140,21 @@ class BusLink:
             log.warning("kv_store lookup failed: %s; recomputing", exc)
             return "", [], []
         return reply.arena_name, list(reply.page_hashes), list(reply.slots)
+
+    async def find_first_async(self, hashes):
+        """``(arena name, (hash, slot) or None)``: the first of ``hashes`` L2 holds (one page's tails)."""
+        from bus.subjects import KV_STORE_LOOKUP
+        from schemas.kv_store import KVStoreLookupRequest
+
+        try:
+            reply = await self.bus.request(KV_STORE_LOOKUP, KVStoreLookupRequest(page_hashes=list(hashes), first_of=True),
+                                           timeout=self.timeout, host_id=self.host_id)
+        except Exception as exc:
+            self.healthy = False
+            log.warning("kv_store lookup failed: %s; recomputing", exc)
+            return "", None
+        found = (reply.page_hashes[0], reply.slots[0]) if reply.page_hashes and reply.slots else None
+        return reply.arena_name, found
 
     async def aclose(self) -> None:
         pass

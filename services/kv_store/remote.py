@@ -218,6 +218,13 @@ class RemoteLink:
                             exc or type(exc).__name__)
         return staging.arena.name, [h for h, _ in found], [s for _, s in found]
 
+    async def find_first_async(self, hashes):
+        """A tail (one page, ``hashes`` longest first) only if staging holds it: tails are not fetched."""
+        staging = self.staging
+        if staging is None or staging.arena is None:
+            return "", None
+        return staging.arena.name, staging.find_first(hashes)
+
     async def _fetch(self, hashes: list[int], protect: set[int]) -> list[tuple[int, int]]:
         from bus.subjects import KV_STORE_FETCH
         from schemas.kv_store import KVStoreFetchRequest

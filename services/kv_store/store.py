@@ -187,6 +187,25 @@ class StoreCore:
                 out.append((h, page.slot))
         return out
 
+    def find_first(self, page_hashes: Sequence[int]) -> tuple[int, int] | None:
+        """``(hash, slot)`` of the first of ``page_hashes`` L2 holds (promoting an L3 hit), or None:
+        the tails of one page, longest first (``page_hash.hash_tail``). One hit or one miss."""
+        with self.lock:
+            if self.index is None:
+                return None
+            for h in page_hashes:
+                page = self.index.touch(h)
+                if page is None and self.disk is not None and h in self.disk:
+                    page = self._promote(h, protect=set())
+                    if page is not None:
+                        self.counters["hits_disk"] += 1
+                        return h, page.slot
+                elif page is not None:
+                    self.counters["hits_host"] += 1
+                    return h, page.slot
+            self.counters["misses"] += 1
+            return None
+
     def touch(self, page_hashes: Sequence[int]) -> None:
         """Engines report L2 hits they served (LRU order and the L3 admission filter)."""
         with self.lock:

@@ -162,14 +162,25 @@ class EngineWorker(Actor):
         while start < len(hashes) and hashes[start] in bm.hash_to_page_id:
             start += 1
         tier = self.tier
-        if start == len(hashes) or tier is None or not tier.is_attached or not tier.link.healthy:
+        if tier is None or not tier.is_attached or not tier.link.healthy:
             return start
         timeout = self.config.hicache_fetch_timeout if tier.link.moves_bytes else self.config.hicache_timeout
-        try:
-            in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), timeout)
-        except asyncio.TimeoutError:
-            return start
-        return start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
+        held = start
+        if start < len(hashes):
+            try:
+                in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), timeout)
+            except asyncio.TimeoutError:
+                return start
+            held = start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
+        if bm.reuse_tails and held:  # the computed rows of the page after them, if an earlier request
+            # left them (a conversation's next turn; a cold prompt pays no second round trip)
+            _, tails = bm.tail_candidates(prompt_token_ids, held, hashes[held - 1])
+            if tails and not any(h in bm.hash_to_page_id for h in tails):
+                try:
+                    await asyncio.wait_for(tier.prefetch_tail(tails), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        return held
 
     async def handle_kv_dump(self, req: KVDumpRequest) -> KVDumpReply:
         hooks = self.engine.block_manager.hooks

@@ -1,8 +1,9 @@
 import pytest
+import torch
 
 from schemas.engine import SamplingParams
 from services.engine.block_manager import BlockManager
-from services.engine.page_hash import page_hashes
+from services.engine.page_hash import hash_tail, page_hashes
 from services.engine.sequence import Sequence
 from services.engine.tier_hooks import CacheTierHooks
 
@@ -387,4 +388,148 @@ def test_short_runs_and_may_wait_false_load_synchronously():
     bm.async_load_min_pages = 2
     t = make_seq(tokens, "t")
     assert bm.allocate(t) == 12 and tier.started == {}  # may_wait defaults to False
+    check_invariants(bm)
+
+
+# ---- tails: token-granular reuse of a finished sequence's partial last page -----------------
+
+
+class FakePool:
+    """A KV pool whose row ``r`` of page ``p`` holds the token written there (every layer, K and V)."""
+
+    def __init__(self, num_pages):
+        self.data = torch.full((num_pages, 2, 2, PS, 1, 3), -1.0)
+
+    def write(self, seq, upto):
+        for pos in range(upto):
+            self.data[seq.page_ids[pos // PS], :, :, pos % PS] = float(seq.token_ids[pos])
+
+    def rows(self, page_id, n):
+        return [int(self.data[page_id, 0, 0, r, 0, 0]) for r in range(n)]
+
+
+def bound_bm(num_pages=16, hooks=None, **kw):
+    bm = BlockManager(num_pages, PS, hooks=hooks, **kw)
+    pool = FakePool(num_pages)
+    bm.bind(pool)
+    return bm, pool
+
+
+def finish(bm, pool, seq, computed=None):
+    """Admit ``seq``, compute all but its last token (a finished request's state), free it."""
+    bm.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens - 1 if computed is None else computed
+    pool.write(seq, seq.num_computed_tokens)
+    bm.index_computed_pages(seq)
+    bm.free(seq)
+
+
+def test_the_next_turn_reuses_the_answer_to_its_last_token():
+    bm, pool = bound_bm()
+    turn1 = list(range(100, 111))  # 11 tokens: pages [0-3] [4-7], tail rows 8, 9 (token 10 never computed)
+    finish(bm, pool, make_seq(turn1, "t1"))
+    tail = hash_tail(page_hashes(turn1, PS)[1], turn1[8:10])
+    assert tail in bm.hash_to_page_id and bm.num_cached_pages == 3
+    turn2 = make_seq(turn1 + [200, 201, 202], "t2")
+    assert bm.allocate(turn2) == 10  # computes from token 10 on
+    assert pool.rows(turn2.page_ids[2], 2) == turn1[8:10]  # copied into a page of its own
+    assert turn2.page_ids[2] != bm.hash_to_page_id[tail] and bm.num_tail_hits == 1
+    bm.free(turn2)
+    assert bm.num_free_pages == 16
+    check_invariants(bm)
+
+
+def test_a_tail_is_reused_only_for_the_same_tokens_and_never_covers_the_last_one():
+    bm, pool = bound_bm()
+    finish(bm, pool, make_seq(range(11), "a"))  # tail: tokens 8, 9
+    assert bm.allocate(make_seq(list(range(10)) + [77], "other")) == 10  # same 8, 9 then its own
+    assert bm.allocate(make_seq(list(range(8)) + [8, 55, 56], "diverges")) == 8  # (8,) alone is no tail
+    assert bm.allocate(make_seq(range(10), "ends-in-it")) == 8  # token 9 is its last: computed
+    assert bm.allocate(make_seq([7] + list(range(1, 11)), "other-parent")) == 0
+    assert bm.num_tail_hits == 1
+    check_invariants(bm)
+
+
+def test_a_preempted_prefill_keeps_its_computed_rows():
+    bm, pool = bound_bm()
+    seq = make_seq(range(20), "s")
+    finish(bm, pool, seq, computed=6)  # preempted after a 6-token chunk: page 0 and rows 4, 5
+    again = make_seq(range(20), "s")
+    assert bm.allocate(again) == 6
+    assert pool.rows(again.page_ids[1], 2) == [4, 5]
+    check_invariants(bm)
+
+
+def test_tails_are_evicted_like_pages_and_off_without_prefix_caching():
+    bm, pool = bound_bm(6)
+    finish(bm, pool, make_seq(range(11), "a"))  # 2 pages + tail
+    finish(bm, pool, make_seq(range(100, 111), "b"))  # 2 pages + tail
+    assert bm.num_cached_pages == 6
+    c = make_seq(range(200, 208), "c")
+    bm.allocate(c)  # evicts a's tail first (released first), then a's last page
+    assert bm.allocate(make_seq(list(range(10)) + [5], "a2")) == 4
+    check_invariants(bm)
+    for kw in (dict(enable_prefix_caching=False), dict(reuse_tails=False)):
+        bm, pool = bound_bm(**kw)
+        finish(bm, pool, make_seq(range(11), "a"))
+        assert bm.allocate(make_seq(list(range(10)) + [5], "a2")) == (8 if kw.get("reuse_tails") is False else 0)
+        assert bm.num_tail_hits == 0
+
+
+class TailTier(CacheTierHooks):
+    """A lower tier holding tails by hash: load_back writes the tail's tokens into the page."""
+
+    is_tier = True
+
+    def __init__(self, pool, tails):
+        self.pool, self.tails, self.asked = pool, dict(tails), []
+
+    def find_tail(self, hashes):
+        self.asked.append(list(hashes))
+        return next((i for i, h in enumerate(hashes) if h in self.tails), None)
+
+    def load_back(self, hashes, tokens, page_ids):
+        for h, toks, p in zip(hashes, tokens, page_ids):
+            assert tuple(toks) == self.tails[h]
+            for r, t in enumerate(toks):
+                self.pool.data[p, :, :, r] = float(t)
+        return len(page_ids)
+
+
+def test_a_tail_evicted_from_l1_is_loaded_back_from_the_lower_tier():
+    tokens = list(range(100, 111))
+    hashes = page_hashes(tokens, PS)
+    bm = BlockManager(8, PS, hooks=[])
+    pool = FakePool(8)
+    tier = TailTier(pool, {hash_tail(hashes[1], tuple(tokens[8:10])): tuple(tokens[8:10])})
+    bm.hooks = tier
+    bm.bind(pool)
+    pool.data.fill_(-1)
+    warm = make_seq(tokens[:8] + [1], "warm")  # L1 holds the two full pages, not the tail
+    bm.allocate(warm)
+    warm.num_computed_tokens = 8
+    bm.index_computed_pages(warm)
+    bm.free(warm)
+    s = make_seq(tokens + [5, 6], "s")
+    assert bm.allocate(s) == 10 and s.num_loaded_tokens == 2 and bm.num_tail_loads == 1
+    assert pool.rows(s.page_ids[2], 2) == tokens[8:10]
+    assert len(tier.asked[-1]) == 3 and tier.asked[-1][1] == hash_tail(hashes[1], tuple(tokens[8:10]))
+    check_invariants(bm)
+
+
+def test_an_async_load_takes_the_tail_when_it_lands():
+    tokens = list(range(14))  # 3 full pages in the tier; then a tail of tokens 12, 13
+    bm, tier = async_bm(tokens + [50, 51, 52])
+    tier.held = page_hashes(tokens, PS)
+    pool = FakePool(8)
+    bm.bind(pool)
+    tail_tokens = (12, 13)
+    tier.find_tail = lambda hs: next((i for i, h in enumerate(hs) if h == hash_tail(tier.held[2], tail_tokens)), None)
+    tier.load_back = lambda hs, toks, ps: len(ps)
+    s = make_seq(tokens + [50, 51, 52])
+    assert bm.allocate(s, may_wait=True) == 0 and s.loading_ticket == 0
+    tier.land(0)
+    assert bm.poll_loads() == [s]
+    assert s.num_computed_tokens == 14 and s.num_loaded_tokens == 14 and bm.num_tail_loads == 1
+    bm.free(s)
     check_invariants(bm)

@@ -232,8 +232,8 @@ def test_fp8_pages_carry_their_scales(model_dir, prompt_ids):
 def _warm_prefix(engine, prompt, num_pages):
     """Leave exactly the prompt's first ``num_pages`` pages in the engine's prefix cache."""
     engine.block_manager.evict_all_cached()
-    if num_pages:
-        engine.generate_sync([prompt[: num_pages * 16 + 1]], SamplingParams(temperature=0.0, max_tokens=1))
+    if num_pages:  # (ends on a page boundary: no tail, the partial page a finished request leaves)
+        engine.generate_sync([prompt[: num_pages * 16]], SamplingParams(temperature=0.0, max_tokens=1))
     assert engine.block_manager.num_cached_pages == num_pages
 
 

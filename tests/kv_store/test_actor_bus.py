@@ -94,12 +94,15 @@ async def test_pages_from_one_worker_load_in_another_with_kv_events(system, refe
     await client.subscribe(KV_EVENTS, on_event)
     await wait_for(lambda: a.tier.is_attached and b.tier.is_attached, what="workers attached")
     assert await generate(client, "worker-a") == reference
-    await wait_for(lambda: store.core.index.num_stored >= 4, what="write-through commits")
+    # write-through: PROMPT's 4 full pages, then the tail (the answer's computed rows, block_manager.py)
+    await wait_for(lambda: store.core.index.num_stored >= 5, what="write-through commits")
     assert await generate(client, "worker-b") == reference
     assert b.tier.stats["loaded_back"] == 4  # (70 - 1) // 16 pages, none recomputed
     assert b.engine.stats.num_prefill_tokens == len(PROMPT) - 4 * 16
     # KV events: device pages of both workers and the host tier of the store, ids 1, 2, 3... per publisher
     await wait_for(lambda: {x.worker_id for x in batches} >= {"worker-a", "worker-b", "kv_store-0"}, what="events")
+    await wait_for(lambda: sum(len(e.page_hashes) for x in batches if x.worker_id == "kv_store-0" for e in x.events
+                               if e.kind == "stored") >= 5, what="the store's events of all 5 pages")
     by_pub: dict[str, list[int]] = {}
     for batch in batches:
         by_pub.setdefault(batch.worker_id, []).append(batch.event_id)
@@ -110,7 +113,7 @@ async def test_pages_from_one_worker_load_in_another_with_kv_events(system, refe
             and e.kind == "stored" for h in e.page_hashes]
     device = [h for x in batches if x.worker_id == "worker-a" for e in x.events if e.tier == "device"
               and e.kind == "stored" for h in e.page_hashes]
-    assert host == device[:4]
+    assert host == device and len(host) == 5  # all written through, in order
     dump = await client.request(KV_EVENTS_DUMP, KVDumpRequest(), worker_id="kv_store-0")
     assert set(dump.events[0].page_hashes) == set(host)
     dump_a = await client.request(KV_EVENTS_DUMP, KVDumpRequest(), worker_id="worker-a")
@@ -170,3 +173,19 @@ async def test_a_decode_worker_counts_host_tier_pages_as_held(system, config, re
     finally:
         for actor, bus in zip(pair, buses):
             await stop(actor, bus)
+
+
+async def test_a_tail_one_worker_wrote_is_found_by_another_through_the_store(system, config):
+    """Turn 2 of a chat on another worker: its prefetch finds the full pages, then (one `first_of`
+    lookup) the tail worker-a left: the answer's computed rows are loaded, not recomputed."""
+    from services.engine import LLMEngine
+
+    network, state, (a, b), client = system
+    await wait_for(lambda: a.tier.is_attached and b.tier.is_attached, what="workers attached")
+    answer = await generate(client, "worker-a")  # PROMPT's 70 and 6 generated: 4 pages + 11 computed rows
+    await wait_for(lambda: state["store"].core.index.num_stored >= 5, what="write-through of the pages and the tail")
+    turn2 = PROMPT + answer + [1000 + i for i in range(9)]
+    cold = LLMEngine(config.engine_config.replace(enable_prefix_caching=False))
+    assert await generate(client, "worker-b", turn2) == cold.generate_sync([turn2], GREEDY)[0].token_ids
+    assert b.engine.block_manager.num_tail_loads == 1 and b.tier.stats["loaded_back"] == 5
+    assert b.engine.stats.num_prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)

@@ -193,7 +193,7 @@ def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(model_dir,
 
 @pytest.mark.parametrize("policy,after_first,after_hits", [
     ("write_back", 0, 0),  # nothing evicted yet: nothing copied
-    ("write_through", 4, 4),  # every page as computed (the 4th fills while decoding)
+    ("write_through", 5, 5),  # every page as computed (the 4th fills while decoding), then the tail
     ("write_through_selective", 0, 3),  # after 2 L1 hits of each page
 ])
 def test_write_policies_are_observable(tiny_model, core, policy, after_first, after_hits):
@@ -333,4 +333,42 @@ def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, 
     assert [t for o in outs["other"] for t in o.new_token_ids] == ref[1]
     assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages and held > 0
     assert len(bm.free_page_ids) + bm.num_cached_pages == bm.num_pages
+    core.index.check()
+
+
+def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(model_dir, page_gb, core):
+    """Chat: turn 2 is turn 1's prompt and answer plus a new message. The answer's computed rows
+    (a tail, block_manager.py) are reused from L1, from L2 after L1 evicted them, and by another
+    engine: the output is the cold run's, and only the answer's last token and the new message
+    are computed."""
+    cold = make_engine(model_dir, page_gb, enable_prefix_caching=False)
+    scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def conversation(seed):
+        rng = random.Random(seed)
+        turn1 = [rng.randrange(100, 20000) for _ in range(40)]
+        answer = run(cold, turn1).token_ids
+        turn2 = turn1 + answer + [rng.randrange(100, 20000) for _ in range(10)]
+        return turn1, answer, turn2, cold.generate_sync([turn2], scored)[0]  # 2 pages + 13 rows cached
+
+    e1 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1"))
+    e2 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e2"))
+    for n, where in enumerate(("l1", "l2", "other engine")):
+        turn1, answer, turn2, ref = conversation(n)
+        reused = len(turn1) + len(answer) - 1
+        assert run(e1, turn1).token_ids == answer
+        if where != "l1":
+            e1.block_manager.evict_all_cached()  # write_back: every page, the tail too, goes to L2
+        engine = e2 if where == "other engine" else e1
+        before = engine.stats.num_prefill_tokens
+        out = engine.generate_sync([turn2], scored)[0]
+        assert out.token_ids == ref.token_ids, where
+        # the same KV, not merely the same argmax: every chosen token's logprob as in the cold run
+        got, want = [lp.logprob for lp in out.logprobs], [lp.logprob for lp in ref.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3, (where, got, want)
+        assert out.usage.cached_prompt_tokens == reused, where
+        assert (out.usage.cached_tokens_device if where == "l1" else out.usage.cached_tokens_host) == reused
+        assert engine.stats.num_prefill_tokens - before == len(turn2) - reused
+    assert e1.block_manager.num_tail_hits == 1 and e1.block_manager.num_tail_loads == 1
+    assert e2.block_manager.num_tail_loads == 1  # e2 never saw that conversation: found by hash
     core.index.check()

@@ -85,6 +85,11 @@ async def generate(client, worker_id: str) -> list[int]:
     return await stream_greedy(client, worker_id, PROMPT)  # greedy, 6 tokens (test_actor_bus.GREEDY)
 
 
+WRITTEN = 5
+"""Pages worker-a writes back for PROMPT: its 4 full pages and the tail (the answer's computed rows,
+block_manager.py); a later request for PROMPT alone loads the 4 full pages."""
+
+
 def hicache(detail: dict[str, str], key: str) -> float:
     return float(detail[f"hicache_{key}"])
 
@@ -100,11 +105,11 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert before[("kvbus_hicache_attached", ())] == 1
 
         first = await generate(client, "worker-a")
-        await wait_for(lambda: store.core.counters["committed"] >= 4, what="write-through commits")
+        await wait_for(lambda: store.core.counters["committed"] >= WRITTEN, what="write-through commits")
         m = await scrape(a.metrics_server.url)
         d = a.health_detail()
-        assert m[("kvbus_hicache_written_back_pages_total", ())] == hicache(d, "written_back") == 4
-        assert m[("kvbus_hicache_written_back_bytes_total", ())] == hicache(d, "write_back_bytes") == 4 * a.tier.page_bytes
+        assert m[("kvbus_hicache_written_back_pages_total", ())] == hicache(d, "written_back") == WRITTEN
+        assert m[("kvbus_hicache_written_back_bytes_total", ())] == hicache(d, "write_back_bytes") == WRITTEN * a.tier.page_bytes
         assert m[("kvbus_hicache_written_back_sync_pages_total", ())] == hicache(d, "written_sync") == 0
         assert m[("kvbus_engine_prompt_tokens_total", ())] == len(PROMPT)
         assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 0
@@ -133,13 +138,13 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
 
         s = await scrape(store.metrics_server.url)
         sd = store.health_detail()
-        assert s[("kvbus_kv_store_committed_pages_total", ())] == int(sd["committed"]) == 4
-        assert s[("kvbus_kv_store_slots", (("state", "stored"),))] == int(sd["stored"]) == 4
+        assert s[("kvbus_kv_store_committed_pages_total", ())] == int(sd["committed"]) == WRITTEN
+        assert s[("kvbus_kv_store_slots", (("state", "stored"),))] == int(sd["stored"]) == WRITTEN
         assert s[("kvbus_kv_store_slots", (("state", "leased"),))] == int(sd["leased"])
         assert s[("kvbus_kv_store_slots", (("state", "free"),))] == int(sd["free"])
         assert s[("kvbus_kv_store_slots_capacity", ())] == int(sd["slots"])
         assert s[("kvbus_kv_store_hits_total", (("tier", "host"),))] == int(sd["hits_host"]) >= 4
-        assert s[("kvbus_kv_store_bytes", (("tier", "host"),))] == 4 * a.tier.page_bytes
+        assert s[("kvbus_kv_store_bytes", (("tier", "host"),))] == WRITTEN * a.tier.page_bytes
     finally:
         await client.close()
         await stop_all(started)
@@ -154,21 +159,21 @@ async def test_write_policy_shows_in_the_written_back_series(tiny_model, policy)
     try:
         await generate(client, "worker-p")
         if policy == "write_through":  # copied as computed, off the engine thread
-            await wait_for(lambda: store.core.counters["committed"] >= 4, what="write-through commits")
+            await wait_for(lambda: store.core.counters["committed"] >= WRITTEN, what="write-through commits")
         m = await scrape(w.metrics_server.url)
-        assert m[("kvbus_hicache_written_back_pages_total", ())] == (4 if policy == "write_through" else 0)
+        assert m[("kvbus_hicache_written_back_pages_total", ())] == (WRITTEN if policy == "write_through" else 0)
         evicted = m[("kvbus_engine_kv_pages_evicted_total", ())]
         w.engine.block_manager.evict_all_cached()  # write_back: the pages reach L2 only now, on eviction
-        await wait_for(lambda: store.core.counters["committed"] >= 4, what="commits")
+        await wait_for(lambda: store.core.counters["committed"] >= WRITTEN, what="commits")
         m = await scrape(w.metrics_server.url)
         d = w.health_detail()
-        assert m[("kvbus_hicache_written_back_pages_total", ())] == hicache(d, "written_back") == 4
+        assert m[("kvbus_hicache_written_back_pages_total", ())] == hicache(d, "written_back") == WRITTEN
         # write_back with an idle engine: no step ran to copy ahead of eviction, so eviction copied them
-        assert m[("kvbus_hicache_written_back_sync_pages_total", ())] == (0 if policy == "write_through" else 4)
-        assert m[("kvbus_engine_kv_pages_evicted_total", ())] >= evicted + 4
+        assert m[("kvbus_hicache_written_back_sync_pages_total", ())] == (0 if policy == "write_through" else WRITTEN)
+        assert m[("kvbus_engine_kv_pages_evicted_total", ())] >= evicted + WRITTEN
         assert m[("kvbus_hicache_write_back_queue_depth", ())] == 0
         s = await scrape(store.metrics_server.url)
-        assert s[("kvbus_kv_store_committed_pages_total", ())] == 4
+        assert s[("kvbus_kv_store_committed_pages_total", ())] == WRITTEN
     finally:
         await client.close()
         await stop_all(started)
