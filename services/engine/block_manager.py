@@ -28,15 +28,18 @@ that failed verification and everything after it is computed). A sequence freed
 while loading gives its pages back only when the copy landed: the copy thread
 never writes into a page someone else holds.
 
-Tail pages (token-granular reuse of a partial page): when a sequence is freed,
-the computed part of its last, partial page (the answer of a chat turn but its
-last token, which never went through the model) is indexed as a *tail* under
-``hash_tail(parent, those tokens)`` and cached like any page (LRU, lower tiers,
-KV events). A later request that holds the same full pages and then the same
-tokens copies the tail's rows into a fresh page of its own and computes only
-what follows: the next turn of the conversation recomputes 1 token of the
-answer, not up to ``page_size``. A tail is never owned by a sequence (it is only
-copied from), so its page is never written while indexed.
+Rows, not only pages (token-granular reuse): where a request's full pages stop
+matching, its next page may still begin like a cached one. When a sequence is
+freed, the computed part of its last, partial page (the answer of a chat turn
+but its last token, which never went through the model) is indexed as a *tail*
+under ``hash_tail(parent, those tokens)`` and cached like any page (LRU, lower
+tiers, KV events). At admission, after the full pages, the cached page (tail or
+full) with the same parent that shares the longest run of the request's next
+tokens has those rows copied into the request's own next page (L1), or the
+longest exact tail is loaded into it (a lower tier): the next turn of a
+conversation recomputes 1 token of the answer, not up to ``page_size``, and an
+answer cut short by a stop string keeps the rows before the cut. Pages copied
+from are never written (a tail is never owned by a sequence).
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ class _Load:
         self.seq, self.start, self.first_admission = seq, start, first_admission
         self.page_ids: list[int] = []  # every page of seq, once cancelled: freed when the copy lands
         self.cancelled = False
+
+
+MAX_ROW_SOURCES = 16
+"""Most cached pages compared for a partial-page match (same parent and first token)."""
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 ASYNC_LOAD_MIN_PAGES = 8
@@ -122,7 +138,10 @@ class BlockManager:
         self.reuse_tails = enable_prefix_caching and reuse_tails
         """Index the computed part of a freed sequence's partial last page and reuse it (a tail)."""
         self.kv_pool = None  # tails are copied within it; no tails before bind()
-        self.num_tail_hits = 0  # tails reused from L1
+        self.row_sources: dict[tuple[int, int], dict[int, None]] = {}
+        """(parent hash, first token) -> indexed pages (full and tails), newest last: what a
+        partial-page match compares."""
+        self.num_tail_hits = 0  # partial pages whose rows were copied from L1 (a tail or a page's start)
         self.num_tail_loads = 0  # tails loaded back from a lower tier
 
     def bind(self, kv_pool) -> None:
@@ -332,12 +351,8 @@ class BlockManager:
         parent = self.update_hashes(seq)[full - 1] if full else self.root_hash
         tokens = tuple(seq.token_ids[full * size : full * size + rows])
         h = hash_tail(parent, tokens)
-        if h in self.hash_to_page_id:
-            return  # the same tail is cached already
-        page.page_hash, page.token_ids, page.parent_hash, page.tier_state = h, tokens, parent, L1_ONLY
-        self.hash_to_page_id[h] = page.page_id
-        if self.hooks.on_stored(h, parent, page.page_id):
-            self._start_copy(page)
+        if h not in self.hash_to_page_id:  # (else the same tail is cached already)
+            self._index(page, h, parent, tokens)
 
     def tail_candidates(self, token_ids, k: int, parent: int) -> tuple[list[tuple[int, ...]], list[int]]:
         """Tokens and hashes of the tails that may follow ``k`` full pages (the last with hash
@@ -347,7 +362,9 @@ class BlockManager:
         return tokens, [hash_tail(parent, t) for t in tokens]
 
     def _reuse_tail(self, seq: Sequence, k: int) -> tuple[int, int]:
-        """Copy the longest cached tail after ``seq``'s first ``k`` full pages into its page ``k``.
+        """Fill the first rows of ``seq``'s page ``k`` (after ``k`` full pages) from the cache: the
+        L1 page with the same parent sharing the longest run of ``seq``'s next tokens (rows
+        copied), or a longer exact tail a lower tier holds (loaded).
 
         Returns ``(tokens reused, of which loaded from a lower tier)``. The last token is
         always left to compute (its logits are needed)."""
@@ -357,28 +374,32 @@ class BlockManager:
         candidates, hashes = self.tail_candidates(seq.token_ids, k, parent)
         if not candidates:
             return 0, 0
-        dst = seq.page_ids[k]
-        for h, toks in zip(hashes, candidates):
-            page_id = self.hash_to_page_id.get(h)
-            if page_id is not None and self.pages[page_id].token_ids == toks:
-                self.kv_pool.data[dst, :, :, : len(toks)] = self.kv_pool.data[page_id, :, :, : len(toks)]
-                if page_id in self.cached_page_ids:
-                    self.cached_page_ids.move_to_end(page_id)
-                if self.hooks.on_hit(h, page_id):
-                    self._start_copy(self.pages[page_id])
-                self.num_tail_hits += 1
-                return len(toks), 0
-        if not self.hooks.is_tier:
+        dst, want = seq.page_ids[k], candidates[0]
+        best, src = 0, None
+        for n, page_id in enumerate(reversed(self.row_sources.get((parent, want[0]), {}))):
+            if n == MAX_ROW_SOURCES:
+                break
+            common = _common_prefix(self.pages[page_id].token_ids, want)
+            if common > best:
+                best, src = common, page_id
+        longer = len(want) - best  # candidates[:longer]: the tails longer than L1's rows
+        if self.hooks.is_tier and longer > 0:  # (first: a failed load may have written into dst)
+            try:
+                i = self.hooks.find_tail(hashes[:longer])
+                if i is not None and self.hooks.load_back([hashes[i]], [candidates[i]], [dst]) == 1:
+                    self.num_tail_loads += 1
+                    return len(candidates[i]), len(candidates[i])
+            except Exception:  # a lower tier failing must not fail the request
+                log.exception("loading a tail page failed; recomputing it")
+        if src is None:
             return 0, 0
-        try:
-            i = self.hooks.find_tail(hashes)
-            if i is None or self.hooks.load_back([hashes[i]], [candidates[i]], [dst]) != 1:
-                return 0, 0
-        except Exception:  # a lower tier failing must not fail the request
-            log.exception("loading a tail page failed; recomputing it")
-            return 0, 0
-        self.num_tail_loads += 1
-        return len(candidates[i]), len(candidates[i])
+        self.kv_pool.data[dst, :, :, :best] = self.kv_pool.data[src, :, :, :best]
+        if src in self.cached_page_ids:
+            self.cached_page_ids.move_to_end(src)
+        if self.hooks.on_hit(self.pages[src].page_hash, src):
+            self._start_copy(self.pages[src])
+        self.num_tail_hits += 1
+        return best, 0
 
     # ---- growth ----------------------------------------------------------
 
@@ -418,16 +439,20 @@ class BlockManager:
             page = self.pages[seq.page_ids[i]]
             h = hashes[i]
             if page.page_hash is None and h not in self.hash_to_page_id:
-                page.page_hash = h
-                page.token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
-                page.parent_hash = hashes[i - 1] if i else self.root_hash
-                page.tier_state = CLEAN if clean else L1_ONLY
-                self.hash_to_page_id[h] = page.page_id
-                if self.hooks.on_stored(h, page.parent_hash, page.page_id) and not clean:
-                    self._start_copy(page)
+                self._index(page, h, hashes[i - 1] if i else self.root_hash,
+                            tuple(seq.token_ids[i * size : (i + 1) * size]), clean)
             # else: another sequence computed the same page first; this copy
             # stays private and goes back to the free list when released.
         seq.num_indexed_pages = upto
+
+    def _index(self, page: Page, h: int, parent: int, tokens: tuple[int, ...], clean: bool = False) -> None:
+        page.page_hash, page.parent_hash, page.token_ids = h, parent, tokens
+        page.tier_state = CLEAN if clean else L1_ONLY
+        self.hash_to_page_id[h] = page.page_id
+        if self.reuse_tails:
+            self.row_sources.setdefault((parent, tokens[0]), {})[page.page_id] = None
+        if self.hooks.on_stored(h, parent, page.page_id) and not clean:
+            self._start_copy(page)
 
     # ---- release ---------------------------------------------------------
 
@@ -533,6 +558,12 @@ class BlockManager:
             self.hooks.write_back_sync(h, page.parent_hash, page.token_ids, page_id)
         self.hooks.on_removed(h, page_id, clean=page.tier_state == CLEAN)
         del self.hash_to_page_id[h]
+        if self.reuse_tails:
+            key = (page.parent_hash, page.token_ids[0])
+            sources = self.row_sources[key]
+            del sources[page_id]
+            if not sources:
+                del self.row_sources[key]
         page.page_hash = None
         page.token_ids = ()
         page.tier_state = L1_ONLY

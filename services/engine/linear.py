@@ -124,5 +124,12 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, packed: bool = Fal
             return y
         w = w.dense
     if w.is_mkldnn:
+        # oneDNN multiplies a lone row with another kernel than 2+ rows, one that sums in another
+        # order for some shapes (the default model's down projection, K = 1,536): a prompt whose
+        # last token was the only one computed (the rest cached) got other logits, in the last
+        # bits, than a cold run. Every other row count sums alike, so a lone row runs as two.
+        if x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), w, b, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
+

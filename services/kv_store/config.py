@@ -25,8 +25,10 @@ class KVStoreConfig:
     """A page evicted from L2 goes to L3 only if it was hit at least this many times in L2 (0: always)."""
     max_lease: int = 256
     """Most empty slots one engine may hold for write-back at once (and never more than lease_share of the arena)."""
-    lease_share: float = 1 / 16
-    """Most of the arena one engine may hold leased, so promotions and other engines find slots."""
+    lease_share: float = 1 / 8
+    """Most of the arena one engine may hold leased, so promotions and other engines find slots.
+    1/8 of an arena twice the engine's pool (the default ratio) is its write-back window (a quarter
+    of its pool): at 1/16 a burst of evictions outran the leases and pages were dropped."""
     transfer_timeout: float = 30.0
     """Seconds a write-back from an engine on another host may take to arrive after its offer."""
     metrics_port: int = 0

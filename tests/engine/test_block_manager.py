@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -31,6 +33,10 @@ def check_invariants(bm):
         assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is not None
     for pid in bm.free_page_ids:
         assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is None
+    if bm.reuse_tails:  # every indexed page, and only those, is a partial-match source under its start
+        sources = {pid: key for key, d in bm.row_sources.items() for pid in d}
+        assert sources == {pid: (bm.pages[pid].parent_hash, bm.pages[pid].token_ids[0])
+                           for pid in bm.hash_to_page_id.values()}
 
 
 def test_allocate_and_free_return_every_page():
@@ -439,14 +445,16 @@ def test_the_next_turn_reuses_the_answer_to_its_last_token():
     check_invariants(bm)
 
 
-def test_a_tail_is_reused_only_for_the_same_tokens_and_never_covers_the_last_one():
+def test_a_tail_is_reused_as_far_as_the_tokens_agree_and_never_covers_the_last_one():
     bm, pool = bound_bm()
     finish(bm, pool, make_seq(range(11), "a"))  # tail: tokens 8, 9
     assert bm.allocate(make_seq(list(range(10)) + [77], "other")) == 10  # same 8, 9 then its own
-    assert bm.allocate(make_seq(list(range(8)) + [8, 55, 56], "diverges")) == 8  # (8,) alone is no tail
-    assert bm.allocate(make_seq(range(10), "ends-in-it")) == 8  # token 9 is its last: computed
+    diverges = make_seq(list(range(8)) + [8, 55, 56], "diverges")
+    assert bm.allocate(diverges) == 9 and pool.rows(diverges.page_ids[2], 1) == [8]  # the rows that agree
+    assert bm.allocate(make_seq(range(10), "ends-in-it")) == 9  # token 9 is its last: computed
+    assert bm.allocate(make_seq(list(range(8)) + [55, 9], "differs-at-once")) == 8
     assert bm.allocate(make_seq([7] + list(range(1, 11)), "other-parent")) == 0
-    assert bm.num_tail_hits == 1
+    assert bm.num_tail_hits == 3
     check_invariants(bm)
 
 
@@ -533,3 +541,63 @@ def test_an_async_load_takes_the_tail_when_it_lands():
     assert s.num_computed_tokens == 14 and s.num_loaded_tokens == 14 and bm.num_tail_loads == 1
     bm.free(s)
     check_invariants(bm)
+
+
+def test_a_page_cut_short_keeps_the_rows_before_the_cut():
+    bm, pool = bound_bm()
+    first = list(range(100, 120))
+    finish(bm, pool, make_seq(first, "a"))  # pages 0-3 full, tail rows 116-118
+    # the next prompt keeps the answer only up to token 113 (a stop string cut it), then goes on
+    cut = make_seq(first[:14] + [7, 7, 7], "b")
+    assert bm.allocate(cut) == 14  # pages 0-2, then 2 rows of a's page 3
+    assert pool.rows(cut.page_ids[3], 2) == [112, 113] and bm.num_tail_hits == 1
+    check_invariants(bm)
+
+
+def test_an_identical_prompt_computes_only_its_last_token():
+    bm, pool = bound_bm()
+    finish(bm, pool, make_seq(list(range(100, 108)) + [1, 2], "a"))  # 8 prompt tokens, 2 generated
+    again = make_seq(range(100, 108), "b")
+    assert bm.allocate(again) == 7  # page 0, then 3 rows of page 1: token 107 computes the logits
+    assert pool.rows(again.page_ids[1], 3) == [104, 105, 106]
+    check_invariants(bm)
+
+
+class GarbageTier(TailTier):
+    """Holds an exact tail but every load fails after writing garbage into the page."""
+
+    def load_back(self, hashes, tokens, page_ids):
+        for p in page_ids:
+            self.pool.data[p] = -7.0
+        return 0
+
+
+@pytest.mark.parametrize("tier_cls", [TailTier, GarbageTier], ids=["longer-in-l2", "l2-load-fails"])
+def test_a_longer_tail_in_the_lower_tier_beats_fewer_rows_in_l1(tier_cls):
+    tokens = list(range(100, 112))  # pages [100-103] [104-107], then 108, 109, 110 ...
+    bm = BlockManager(16, PS, hooks=[])
+    pool = FakePool(16)
+    bm.bind(pool)
+    short = make_seq(tokens[:9] + [55, 56, 57], "short")  # leaves page 2 = 108, 55, 56 (+57 uncomputed)
+    finish(bm, pool, short)
+    parent = page_hashes(tokens, PS)[1]
+    bm.hooks = tier_cls(pool, {hash_tail(parent, tuple(tokens[8:11])): tuple(tokens[8:11])})
+    s = make_seq(tokens + [1], "s")
+    got = bm.allocate(s)
+    if tier_cls is TailTier:
+        assert got == 11 and bm.num_tail_loads == 1 and pool.rows(s.page_ids[2], 3) == tokens[8:11]
+    else:  # the failed load wrote into the page: L1's one row is copied after it, not before
+        assert got == 9 and bm.num_tail_hits == 1 and pool.rows(s.page_ids[2], 1) == [108]
+    check_invariants(bm)
+
+
+def test_row_sources_follow_indexing_and_eviction():
+    bm, pool = bound_bm(8)
+    rng = random.Random(0)
+    for i in range(40):
+        n = rng.randrange(2, 14)
+        seq = make_seq([rng.randrange(0, 3) for _ in range(n)], f"s{i}")  # few symbols: many shared starts
+        if not bm.can_allocate(seq):
+            continue
+        finish(bm, pool, seq, computed=rng.randrange(0, n))
+        check_invariants(bm)

@@ -63,7 +63,8 @@ def test_imported_pages_enter_the_prefix_cache(engine, prompt_ids):
     engine.block_manager.evict_all_cached()
     decode_sync(engine, "d", prompt, result, SamplingParams(temperature=0.0, max_tokens=2))
     [again] = engine.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=1))
-    assert again.usage.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+    # every prompt page, then the rows of the decode's tail: all but the last token
+    assert again.usage.cached_prompt_tokens == len(prompt) - 1
 
 
 def test_first_token_can_finish_the_request(engine, prompt_ids):
@@ -269,9 +270,10 @@ def test_only_the_missing_pages_are_imported(model_dir, prompt_ids, held, skip, 
     assert computed == (gap if gap else 1)
     assert eng.scheduler.num_import_gaps == (1 if gap else 0)
     assert not eng.has_unfinished() and eng.block_manager.num_used_pages == 0
-    # every prompt page is in the prefix cache afterwards, imported or recomputed alike
+    # every prompt page is in the prefix cache afterwards, imported or recomputed alike (then the
+    # rows of the decode's tail: all but the last token)
     [again] = eng.generate_sync([prompt], SamplingParams(temperature=0.0, max_tokens=1))
-    assert again.usage.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+    assert again.usage.cached_prompt_tokens == len(prompt) - 1
 
 
 def test_skip_pages_out_of_range_are_request_errors(engine, prompt_ids):

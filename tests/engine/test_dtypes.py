@@ -69,6 +69,21 @@ def test_linear_backends_agree():
     assert can_prepack(torch.device("cpu"), torch.bfloat16) and not can_prepack(torch.device("cpu"), torch.float16)
 
 
+@pytest.mark.parametrize("out_features,in_features", [(576, 1536), (960, 576), (3072, 576)])
+def test_a_rows_projection_does_not_depend_on_how_many_rows_share_it(out_features, in_features):
+    # a prompt's last token computed alone (its prefix cached) must get the cold run's logits
+    from services.engine.linear import PREFILL_ROWS, can_prepack, linear, prepack
+
+    if not can_prepack(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w = prepack(torch.randn(out_features, in_features, generator=g) * 0.02, PREFILL_ROWS)
+    x = torch.randn(300, in_features, generator=g)
+    every = linear(x, w)
+    for rows in (1, 2, 17):
+        assert torch.equal(linear(x[-rows:].contiguous(), w), every[-rows:]), rows
+
+
 @pytest.mark.slow
 def test_unpacked_weights_match_hf_too(model_dir, prompt_ids, hf_greedy):
     eng = make_engine(model_dir, prepack_weights=False, kv_cache_memory=0.05)

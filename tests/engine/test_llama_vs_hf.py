@@ -192,7 +192,7 @@ def test_greedy_with_cached_prefix_matches_hf(engine, prompt_ids, hf_greedy):
     outs = generate(engine, prompt_ids)
     assert_matches(outs, hf_greedy, prompt_ids)
     for p, o in zip(prompt_ids, outs):
-        assert o.usage.cached_prompt_tokens == (len(p) - 1) // 16 * 16
+        assert o.usage.cached_prompt_tokens == len(p) - 1  # full pages, then the warm run's tail rows
     assert sum(o.usage.cached_prompt_tokens for o in outs) > 300
 
 
