@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -138,20 +139,32 @@ async def test_cancel_mid_stream_frees_pages_on_both_workers(system):
     assert all_pages_free(prefill, decode)
 
 
-async def test_full_worker_answers_overloaded(system):
+async def test_full_worker_answers_overloaded(system, monkeypatch):
     prefill, decode, client = system
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    tasks = [asyncio.create_task(generate(client, "prefill-0", long)) for _ in range(3)]  # 2 running + 1 queued
     engine = prefill.engine
-    for _ in range(600):  # wait for the condition (all three admitted), not for a fixed time
-        if engine.num_running + engine.num_waiting + prefill.num_admitting == 3:
-            break
-        await asyncio.sleep(0.05)
-    with pytest.raises(errors.Overloaded, match="full"):
-        await generate(client, "prefill-0", long)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    # The prefill worker's forward passes wait at a gate, so its requests stay in it however fast
+    # their prefill would be (a prompt whose rows are all cached computes one token).
+    gate, run = threading.Event(), engine.runner.run
+
+    def gated(batch):
+        assert gate.wait(60), "the test never opened the gate"
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", gated)
+    tasks = [asyncio.create_task(generate(client, "prefill-0", long)) for _ in range(3)]  # 2 running + 1 queued
+    try:
+        for _ in range(600):  # wait for the condition (all three admitted), not for a fixed time
+            if engine.num_running + engine.num_waiting + prefill.num_admitting == 3:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(errors.Overloaded, match="full"):
+            await generate(client, "prefill-0", long)
+    finally:
+        gate.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 
