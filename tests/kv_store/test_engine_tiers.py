@@ -6,6 +6,7 @@ core runs in process (LocalLink), the data path is the real shared-memory arena.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
@@ -342,20 +343,21 @@ def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(mode
     (a tail, block_manager.py) are reused from L1, from L2 after L1 evicted them, and by another
     engine: the output is the cold run's, and only the answer's last token and the new message
     are computed."""
-    cold = make_engine(model_dir, page_gb, enable_prefix_caching=False)
     scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-
-    def conversation(seed):
+    cold = make_engine(model_dir, page_gb, enable_prefix_caching=False)
+    conversations = []
+    for seed in range(3):
         rng = random.Random(seed)
         turn1 = [rng.randrange(100, 20000) for _ in range(40)]
         answer = run(cold, turn1).token_ids
         turn2 = turn1 + answer + [rng.randrange(100, 20000) for _ in range(10)]
-        return turn1, answer, turn2, cold.generate_sync([turn2], scored)[0]  # 2 pages + 13 rows cached
+        conversations.append((turn1, answer, turn2, cold.generate_sync([turn2], scored)[0]))  # 2 pages + 13 rows
+    del cold  # (two engines at a time: CI's process holds many)
+    gc.collect()
 
     e1 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1"))
     e2 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e2"))
-    for n, where in enumerate(("l1", "l2", "other engine")):
-        turn1, answer, turn2, ref = conversation(n)
+    for where, (turn1, answer, turn2, ref) in zip(("l1", "l2", "other engine"), conversations):
         reused = len(turn1) + len(answer) - 1
         assert run(e1, turn1).token_ids == answer
         if where != "l1":

@@ -9,6 +9,7 @@ leaves them serving by recomputing until a new one starts.
 
 from __future__ import annotations
 
+import gc
 import random
 import uuid
 
@@ -174,6 +175,9 @@ async def start_store(network, worker_id):
 
 @pytest.fixture
 async def system(config):
+    # Each worker's staging arena refuses to start past MemAvailable minus its 1 GB reserve: let
+    # engines of earlier tests that only reference cycles keep alive go first (CI's one process).
+    gc.collect()
     network = MemoryNetwork(max_payload=256 * 1024)  # a page (0.7 MiB) crosses in chunks
     store, store_bus = await start_store(network, "kv_store-0")
     workers, buses = [], []
