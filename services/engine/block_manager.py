@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from os.path import commonprefix  # any sequences, not only paths
 
 from services.engine.page_hash import hash_page, hash_tail, root_hash
 from services.engine.sequence import Sequence
@@ -83,15 +84,6 @@ class _Load:
 
 MAX_ROW_SOURCES = 16
 """Most cached pages compared for a partial-page match (same parent and first token)."""
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 ASYNC_LOAD_MIN_PAGES = 8
@@ -379,7 +371,7 @@ class BlockManager:
         for n, page_id in enumerate(reversed(self.row_sources.get((parent, want[0]), {}))):
             if n == MAX_ROW_SOURCES:
                 break
-            common = _common_prefix(self.pages[page_id].token_ids, want)
+            common = len(commonprefix([self.pages[page_id].token_ids, want]))
             if common > best:
                 best, src = common, page_id
         longer = len(want) - best  # candidates[:longer]: the tails longer than L1's rows
