@@ -346,12 +346,11 @@ class BlockManager:
         if h not in self.hash_to_page_id:  # (else the same tail is cached already)
             self._index(page, h, parent, tokens)
 
-    def tail_candidates(self, token_ids, k: int, parent: int) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Tokens and hashes of the tails that may follow ``k`` full pages (the last with hash
-        ``parent``) in a prompt of ``token_ids``, longest first; its last token is left out."""
+    def tail_candidates(self, token_ids, k: int) -> list[tuple[int, ...]]:
+        """Tokens of the tails that may follow ``k`` full pages in a prompt of ``token_ids``,
+        longest first; its last token is left out (hash one with ``page_hash.hash_tail``)."""
         start = k * self.page_size
-        tokens = [tuple(token_ids[start : start + m]) for m in range(min(self.page_size - 1, len(token_ids) - 1 - start), 0, -1)]
-        return tokens, [hash_tail(parent, t) for t in tokens]
+        return [tuple(token_ids[start : start + m]) for m in range(min(self.page_size - 1, len(token_ids) - 1 - start), 0, -1)]
 
     def _reuse_tail(self, seq: Sequence, k: int) -> tuple[int, int]:
         """Fill the first rows of ``seq``'s page ``k`` (after ``k`` full pages) from the cache: the
@@ -363,7 +362,7 @@ class BlockManager:
         if not self.reuse_tails or self.kv_pool is None or seq.imported_kv is not None or k >= len(seq.page_ids):
             return 0, 0
         parent = self.update_hashes(seq)[k - 1] if k else self.root_hash
-        candidates, hashes = self.tail_candidates(seq.token_ids, k, parent)
+        candidates = self.tail_candidates(seq.token_ids, k)
         if not candidates:
             return 0, 0
         dst, want = seq.page_ids[k], candidates[0]
@@ -376,8 +375,9 @@ class BlockManager:
                 best, src = common, page_id
         longer = len(want) - best  # candidates[:longer]: the tails longer than L1's rows
         if self.hooks.is_tier and longer > 0:  # (first: a failed load may have written into dst)
+            hashes = [hash_tail(parent, t) for t in candidates[:longer]]  # (only a tier is asked by hash)
             try:
-                i = self.hooks.find_tail(hashes[:longer])
+                i = self.hooks.find_tail(hashes)
                 if i is not None and self.hooks.load_back([hashes[i]], [candidates[i]], [dst]) == 1:
                     self.num_tail_loads += 1
                     return len(candidates[i]), len(candidates[i])

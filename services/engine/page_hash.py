@@ -34,10 +34,14 @@ def root_hash(salt: str | bytes = b"") -> int:
     return int.from_bytes(digest, "little")
 
 
+def _digest(parent: int, token_ids: Sequence[int], person: bytes = b"") -> int:
+    payload = parent.to_bytes(DIGEST_SIZE, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=DIGEST_SIZE, person=person).digest(), "little")
+
+
 def hash_page(parent: int, token_ids: Sequence[int]) -> int:
     """Hash of one page given its parent's hash and its token ids."""
-    payload = parent.to_bytes(DIGEST_SIZE, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest(), "little")
+    return _digest(parent, token_ids)
 
 
 TAIL_PERSON = b"kvbus-tail-v1"
@@ -45,8 +49,7 @@ TAIL_PERSON = b"kvbus-tail-v1"
 
 def hash_tail(parent: int, token_ids: Sequence[int]) -> int:
     """Hash of a tail: the first ``len(token_ids)`` tokens of the page after ``parent``."""
-    payload = parent.to_bytes(DIGEST_SIZE, "little") + struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=DIGEST_SIZE, person=TAIL_PERSON).digest(), "little")
+    return _digest(parent, token_ids, TAIL_PERSON)
 
 
 def page_hashes(

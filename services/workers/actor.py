@@ -151,7 +151,7 @@ class EngineWorker(Actor):
         then the host tier's (when at least ``hicache_min_load_pages``). A count, not a pin:
         pages may leave before the request is admitted (they are then recomputed).
         """
-        from services.engine.page_hash import page_hashes
+        from services.engine.page_hash import hash_tail, page_hashes
 
         bm = self.engine.block_manager
         if not bm.enable_prefix_caching:
@@ -174,7 +174,7 @@ class EngineWorker(Actor):
             held = start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
         if bm.reuse_tails and held:  # the computed rows of the page after them, if an earlier request
             # left them (a conversation's next turn; a cold prompt pays no second round trip)
-            _, tails = bm.tail_candidates(prompt_token_ids, held, hashes[held - 1])
+            tails = [hash_tail(hashes[held - 1], t) for t in bm.tail_candidates(prompt_token_ids, held)]
             if tails and not any(h in bm.hash_to_page_id for h in tails):
                 try:
                     await asyncio.wait_for(tier.prefetch_tail(tails), timeout)
