@@ -151,13 +151,12 @@ class EngineWorker(Actor):
         then the host tier's (when at least ``hicache_min_load_pages``). A count, not a pin:
         pages may leave before the request is admitted (they are then recomputed).
         """
-        from services.engine.page_hash import hash_tail, page_hashes
+        from services.engine.page_hash import hash_tail
 
         bm = self.engine.block_manager
         if not bm.enable_prefix_caching:
             return 0
-        limit = (len(prompt_token_ids) - 1) // bm.page_size
-        hashes = page_hashes(prompt_token_ids[: limit * bm.page_size], bm.page_size, self.config.cache_salt)
+        hashes = self.prompt_page_hashes(prompt_token_ids)
         start = 0
         while start < len(hashes) and hashes[start] in bm.hash_to_page_id:
             start += 1
@@ -181,6 +180,15 @@ class EngineWorker(Actor):
                 except asyncio.TimeoutError:
                     pass
         return held
+
+    def prompt_page_hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        """The chained hashes of the prompt's full pages before its last token (the pages a prefix
+        cache can hold: the last token is always computed)."""
+        from services.engine.page_hash import page_hashes
+
+        size = self.engine.block_manager.page_size
+        limit = (len(prompt_token_ids) - 1) // size
+        return page_hashes(prompt_token_ids[: limit * size], size, self.config.cache_salt)
 
     async def handle_kv_dump(self, req: KVDumpRequest) -> KVDumpReply:
         hooks = self.engine.block_manager.hooks

@@ -13,6 +13,7 @@ within ``peer_ttl`` seconds, not the transfer timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -36,6 +37,9 @@ class DecodeActor(WorkerActor):
         self.num_remote_prefills = 0
         self.num_local_prefills = 0
         self.num_kept_local = 0  # of those: a prefill worker was named, but the remainder was short
+        self.num_kept_behind = 0  # of those: short only after the pages a local prefill here is computing
+        # local prefills (with local_prefill_tokens) until their first token: request id -> prompt page hashes
+        self._computing: dict[str, set[int]] = {}
         self.num_prefill_failures = 0
         self.num_transfers = {"shm": 0, "nats": 0}
         self.transfer_bytes = 0  # KV payload received from prefill workers
@@ -68,9 +72,12 @@ class DecodeActor(WorkerActor):
             # Pages this worker holds (L1, or L2 loaded at admission) need not cross, nor be computed.
             held = await self.prefetch_tiers(req.prompt_token_ids) \
                 if cfg.transfer_missing_only or cfg.local_prefill_tokens else 0
-            left = len(req.prompt_token_ids) - held * self.engine.block_manager.page_size
-            if left <= cfg.local_prefill_tokens:
+            page_size = self.engine.block_manager.page_size
+            left = len(req.prompt_token_ids) - held * page_size
+            behind = self._computing_here(req.prompt_token_ids, held) if left > cfg.local_prefill_tokens else 0
+            if left - behind * page_size <= cfg.local_prefill_tokens:
                 self.num_kept_local += 1  # a short remainder: computing it here beats a transfer
+                self.num_kept_behind += behind > 0
             else:
                 try:
                     return await self._remote_prefill(req, timings, held if cfg.transfer_missing_only else 0)
@@ -82,7 +89,39 @@ class DecodeActor(WorkerActor):
                                 req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
         self.num_local_prefills += 1
         await self.prefetch_tiers(req.prompt_token_ids)
-        return self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+        outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
+        if not self.config.local_prefill_tokens or not self.engine.block_manager.enable_prefix_caching:
+            return outputs
+        self._computing[req.request_id] = set(self.prompt_page_hashes(req.prompt_token_ids))
+        return self._computing_until_first(req.request_id, outputs)
+
+    # ---- prompts that share a prefix a local prefill is computing --------------------------------
+    # Four conversations that open with the same system prompt arrive at once. The first is short
+    # enough to prefill here; the next is not, by the system prompt's length, and would go to the
+    # prefill worker, which computes the system prompt again. Counted as held, the pages a local
+    # prefill here is computing leave it a short remainder too: it stays, and the engine's
+    # scheduler holds it until those pages are cached (docs/engine.md, "Scheduler policy").
+
+    def _computing_here(self, prompt_token_ids: list[int], held: int) -> int:
+        """How many prompt pages after the ``held`` leading ones a local prefill here is computing."""
+        if not self._computing or not self.engine.block_manager.enable_prefix_caching:
+            return 0
+        hashes = self.prompt_page_hashes(prompt_token_ids)
+        run = held
+        while run < len(hashes) and any(hashes[run] in pages for pages in self._computing.values()):
+            run += 1
+        return run - held
+
+    async def _computing_until_first(self, request_id: str, outputs):
+        """``outputs``, with ``request_id``'s prompt pages counted as computing here until its
+        first token (they are cached then) or its end."""
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    self._computing.pop(request_id, None)
+                    yield out
+        finally:
+            self._computing.pop(request_id, None)
 
     async def _remote_prefill(self, req: WorkerGenerateRequest, timings: dict[str, float], skip: int):
         """Prefill on the named worker, ``skip`` leading pages held here; its first token streams
@@ -177,6 +216,7 @@ class DecodeActor(WorkerActor):
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),
                 "local_prefills": str(self.num_local_prefills), "kept_local": str(self.num_kept_local),
+                "kept_behind": str(self.num_kept_behind),
                 "prefill_failures": str(self.num_prefill_failures),
                 "transfer_bytes": str(self.transfer_bytes), "transfer_pages": str(self.transfer_pages),
                 "transfer_pages_skipped": str(self.transfer_pages_skipped),

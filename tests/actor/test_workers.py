@@ -214,6 +214,79 @@ async def test_a_prefill_worker_that_ignores_skip_pages_still_serves(system, ref
         del prefill.engine.prefill  # the instance attribute: back to the class's method
 
 
+SYSTEM_PROMPT = list(range(5000, 5048))  # 3 full pages that two conversations open with
+OPEN_A = SYSTEM_PROMPT + list(range(5100, 5110))  # 58 tokens: short enough to prefill on the decode worker
+OPEN_B = SYSTEM_PROMPT + list(range(5200, 5240))  # 88 tokens: 40 after the system prompt's pages
+
+
+@pytest.fixture(scope="module")
+def openings(engines):
+    """Greedy answers to OPEN_A and OPEN_B from the prefill worker's engine (the decode worker's
+    prefix cache must not hold the system prompt before the test)."""
+    _, engine, _ = engines
+    return [out.token_ids for out in engine.generate_sync([OPEN_A, OPEN_B], GREEDY)]
+
+
+async def stream(client, prompt: list[int], prefill_worker_id: str | None = "prefill-0"):
+    """(tokens, usage) of one generation through the decode worker."""
+    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=GREEDY,
+                                prefill_worker_id=prefill_worker_id)
+    out, usage = [], None
+    async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
+        async for chunk in chunks:
+            out += chunk.token_ids
+            usage = chunk.usage or usage
+    return out, usage
+
+
+async def test_a_prompt_behind_a_local_prefill_of_its_prefix_stays_there(openings, system, monkeypatch):
+    """Two conversations open with the same system prompt at once. The first is short and is
+    prefilled on the decode worker; the second is past ``local_prefill_tokens`` by the system
+    prompt's pages only. The pages the first is computing count as held, so the second stays too:
+    the engine holds it until they are cached and computes only its own 40 tokens. Before, it
+    went to the prefill worker, which computed the system prompt a second time."""
+    prefill, decode, client = system
+    decode.config = decode.config.replace(local_prefill_tokens=64)
+    engine = decode.engine
+    remote, kept, behind, prefilled = (decode.num_remote_prefills, decode.num_kept_local, decode.num_kept_behind,
+                                       prefill.num_prefilled)
+    gate = threading.Event()  # the decode engine's steps wait here: the first prompt stays "computing"
+    run = engine.runner.run
+
+    def gated(batch):
+        assert gate.wait(60), "the test never opened the gate"
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", gated)
+    try:
+        first = asyncio.create_task(stream(client, OPEN_A))
+        for _ in range(600):  # wait for the condition (the first prompt taken here), not a fixed time
+            if decode._computing:
+                break
+            await asyncio.sleep(0.05)
+        assert len(decode._computing) == 1 and decode.num_kept_local == kept + 1
+        second = asyncio.create_task(stream(client, OPEN_B))
+        for _ in range(600):
+            if decode.num_kept_local == kept + 2 or decode.num_remote_prefills > remote:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        gate.set()
+    (tokens_a, usage_a), (tokens_b, usage_b) = await asyncio.gather(first, second)
+    assert [tokens_a, tokens_b] == openings
+    assert decode.num_remote_prefills == remote and prefill.num_prefilled == prefilled
+    assert decode.num_kept_local == kept + 2 and decode.num_kept_behind == behind + 1
+    assert usage_a.cached_prompt_tokens == 0
+    assert usage_b.cached_prompt_tokens == len(SYSTEM_PROMPT)  # the system prompt, computed once
+    assert decode._computing == {} and decode.health_detail()["kept_behind"] == str(decode.num_kept_behind)
+    decode.config = decode.config.replace(local_prefill_tokens=0)
+    for _ in range(100):
+        if all_pages_free(prefill, decode):
+            break
+        await asyncio.sleep(0.05)
+    assert all_pages_free(prefill, decode)
+
+
 async def test_a_short_remainder_is_prefilled_where_it_is_decoded(fresh_turns, system):
     """Conditional disaggregation at the decode worker (``local_prefill_tokens``): turn 2 of a
     conversation whose history this worker holds leaves a short remainder, computed here without
