@@ -143,20 +143,22 @@ class EngineWorker(Actor):
                 log.debug("kv_store not attached: %s", exc)
             await asyncio.sleep(self.config.hicache_reconnect_interval)
 
-    async def prefetch_tiers(self, prompt_token_ids: list[int]) -> int:
+    async def prefetch_tiers(self, prompt_token_ids: list[int], hashes: list[int] | None = None) -> int:
         """Before queueing a request: learn which of its pages missing from L1 the host tier
         holds, so the engine's admission loads them without a bus round trip.
 
         Returns how many leading prompt pages this worker holds now: its prefix cache's run,
         then the host tier's (when at least ``hicache_min_load_pages``). A count, not a pin:
-        pages may leave before the request is admitted (they are then recomputed).
+        pages may leave before the request is admitted (they are then recomputed). ``hashes``: the
+        prompt's ``prompt_page_hashes``, where the caller has them.
         """
         from services.engine.page_hash import hash_tail
 
         bm = self.engine.block_manager
         if not bm.enable_prefix_caching:
             return 0
-        hashes = self.prompt_page_hashes(prompt_token_ids)
+        if hashes is None:
+            hashes = self.prompt_page_hashes(prompt_token_ids)
         start = 0
         while start < len(hashes) and hashes[start] in bm.hash_to_page_id:
             start += 1

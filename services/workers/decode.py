@@ -67,15 +67,17 @@ class DecodeActor(WorkerActor):
             await self.receiver.close()
 
     async def start_outputs(self, req: WorkerGenerateRequest, timings: dict[str, float]):
+        cfg = self.config
+        bm = self.engine.block_manager
+        # the prompt's page hashes, once: for the tiers, and for the pages local prefills compute
+        hashes = self.prompt_page_hashes(req.prompt_token_ids) if bm.enable_prefix_caching else None
         if req.prefill_worker_id is not None:
-            cfg = self.config
             # Pages this worker holds (L1, or L2 loaded at admission) need not cross, nor be computed.
-            held = await self.prefetch_tiers(req.prompt_token_ids) \
+            held = await self.prefetch_tiers(req.prompt_token_ids, hashes) \
                 if cfg.transfer_missing_only or cfg.local_prefill_tokens else 0
-            page_size = self.engine.block_manager.page_size
-            left = len(req.prompt_token_ids) - held * page_size
-            behind = self._computing_here(req.prompt_token_ids, held) if left > cfg.local_prefill_tokens else 0
-            if left - behind * page_size <= cfg.local_prefill_tokens:
+            left = len(req.prompt_token_ids) - held * bm.page_size
+            behind = self._computing_here(hashes, held) if left > cfg.local_prefill_tokens else 0
+            if left - behind * bm.page_size <= cfg.local_prefill_tokens:
                 self.num_kept_local += 1  # a short remainder: computing it here beats a transfer
                 self.num_kept_behind += behind > 0
             else:
@@ -88,11 +90,11 @@ class DecodeActor(WorkerActor):
                     log.warning("prefill on %s failed for %s (%s: %s); prefilling locally",
                                 req.prefill_worker_id, req.request_id, exc.code.value, exc.message)
         self.num_local_prefills += 1
-        await self.prefetch_tiers(req.prompt_token_ids)
+        await self.prefetch_tiers(req.prompt_token_ids, hashes)
         outputs = self.engine.generate(req.prompt_token_ids, req.sampling, request_id=req.request_id)
-        if not self.config.local_prefill_tokens or not self.engine.block_manager.enable_prefix_caching:
+        if not cfg.local_prefill_tokens or hashes is None:
             return outputs
-        self._computing[req.request_id] = set(self.prompt_page_hashes(req.prompt_token_ids))
+        self._computing[req.request_id] = set(hashes)
         return self._computing_until_first(req.request_id, outputs)
 
     # ---- prompts that share a prefix a local prefill is computing --------------------------------
@@ -102,11 +104,11 @@ class DecodeActor(WorkerActor):
     # prefill here is computing leave it a short remainder too: it stays, and the engine's
     # scheduler holds it until those pages are cached (docs/engine.md, "Scheduler policy").
 
-    def _computing_here(self, prompt_token_ids: list[int], held: int) -> int:
-        """How many prompt pages after the ``held`` leading ones a local prefill here is computing."""
-        if not self._computing or not self.engine.block_manager.enable_prefix_caching:
+    def _computing_here(self, hashes: list[int] | None, held: int) -> int:
+        """How many of the prompt's pages (``hashes``; None: no prefix cache) after the ``held``
+        leading ones a local prefill here is computing."""
+        if not self._computing or hashes is None:
             return 0
-        hashes = self.prompt_page_hashes(prompt_token_ids)
         run = held
         while run < len(hashes) and any(hashes[run] in pages for pages in self._computing.values()):
             run += 1
