@@ -174,8 +174,8 @@ class KVStoreActor(Actor):
             raise InvalidArgument(f"an offer names up to {MAX_REMOTE_PAGES} pages, each with a parent hash and "
                                   f"its token ids ({n} hashes, {len(req.parent_hashes)} parents, "
                                   f"{len(req.token_ids)} token lists)")
-        if any(len(t) != page_size for t in req.token_ids):
-            raise InvalidArgument(f"every offered page holds {page_size} tokens")
+        if any(not 1 <= len(t) <= page_size for t in req.token_ids):  # fewer: a tail (a page's computed rows)
+            raise InvalidArgument(f"every offered page holds 1 to {page_size} tokens")
         now = time.monotonic()
         for tid in [t for t, o in self._offers.items() if now - o[4] > self.config.transfer_timeout]:
             del self._offers[tid]  # never put: the engine gave up or died

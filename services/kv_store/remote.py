@@ -219,11 +219,28 @@ class RemoteLink:
         return staging.arena.name, [h for h, _ in found], [s for _, s in found]
 
     async def find_first_async(self, hashes):
-        """A tail (one page, ``hashes`` longest first) only if staging holds it: tails are not fetched."""
+        """``(staging arena name, (hash, slot) or None)``: the first of ``hashes`` (one page's tails,
+        longest first) in staging; else the first the store holds, fetched into staging (one
+        lookup, then one page by value)."""
         staging = self.staging
         if staging is None or staging.arena is None:
             return "", None
-        return staging.arena.name, staging.find_first(hashes)
+        found = staging.find_first(hashes)
+        if found is not None or not hashes or not self.healthy:
+            return staging.arena.name, found
+        _, there = await self.store.find_first_async(hashes)  # on failure: None, and the link unhealthy
+        if there is not None:
+            try:
+                got = await self._fetch([there[0]], protect=set())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                got = []
+                self.stats["fetch_failed"] += 1
+                log.warning("fetching a tail from the kv_store on %s failed: %s; recomputing", self.store_host,
+                            exc or type(exc).__name__)
+            found = got[0] if got else None
+        return staging.arena.name, found
 
     async def _fetch(self, hashes: list[int], protect: set[int]) -> list[tuple[int, int]]:
         from bus.subjects import KV_STORE_FETCH

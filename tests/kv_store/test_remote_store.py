@@ -107,8 +107,8 @@ async def test_bad_offers_and_puts_get_clear_errors_and_store_nothing(store_and_
     store, bus, receiver, sender = store_and_engine
     ok = dict(worker_id="eng", layout_key="L", page_hashes=[7], parent_hashes=[0], token_ids=[[1, 2, 3, 4]],
               sender_host_id="host-b")
-    for bad, match in ((dict(layout_key="other"), "layout"), (dict(token_ids=[[1, 2]]), "tokens"),
-                       (dict(parent_hashes=[]), "parent")):
+    for bad, match in ((dict(layout_key="other"), "layout"), (dict(token_ids=[[]]), "tokens"),
+                       (dict(token_ids=[[1, 2, 3, 4, 5]]), "tokens"), (dict(parent_hashes=[]), "parent")):
         with pytest.raises(InvalidArgument, match=match):
             await bus.request(KV_STORE_OFFER, KVStoreOfferRequest(**{**ok, **bad}), host_id=STORE_HOST)
     offer = await bus.request(KV_STORE_OFFER, KVStoreOfferRequest(**ok), host_id=STORE_HOST)
@@ -233,6 +233,29 @@ async def test_pages_written_back_on_one_host_load_on_another(system, reference)
     assert c.tier.link.stats["pages_sent"] == 0
     store.core.index.check()
     b.tier.link.staging.index.check()
+    c.tier.link.staging.index.check()
+
+
+async def test_a_tail_written_on_one_host_is_fetched_on_another(system, config):
+    """Turn 2 of a chat on a worker of another host: its prefetch fetches the full pages, then
+    (one ``first_of`` lookup, one page by value) the tail worker-b left: the answer's computed
+    rows are loaded, not recomputed."""
+    from services.engine import LLMEngine
+
+    state, (b, c), client = system
+    store = state["store"]
+    await wait_for(lambda: b.tier.is_attached and c.tier.is_attached, what="workers attached")
+    answer = await generate(client, "worker-b")  # PROMPT's 70 and 6 generated: 4 pages + 11 computed rows
+    await wait_for(lambda: store.core.index.num_stored >= 5, what="write-through of the pages and the tail")
+    turn2 = PROMPT + answer + [1000 + i for i in range(9)]
+    cold = LLMEngine(config.engine_config.replace(enable_prefix_caching=False))
+    ref = cold.generate_sync([turn2], GREEDY)[0].token_ids
+    del cold  # (CI's process holds many engines)
+    gc.collect()
+    assert await generate(client, "worker-c", turn2) == ref
+    assert c.engine.block_manager.num_tail_loads == 1 and c.tier.stats["loaded_back"] == 5
+    assert c.engine.stats.num_prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)
+    assert c.tier.link.stats["pages_received"] == 5 and c.tier.link.stats["fetch_failed"] == 0
     c.tier.link.staging.index.check()
 
 
