@@ -1,7 +1,9 @@
-"""Streaming a generation from an engine worker on the bus and collecting its tokens."""
+"""Streaming a generation from an engine worker on the bus and collecting its tokens, and the cold
+reference they are compared with."""
 
 from __future__ import annotations
 
+import gc
 import uuid
 
 from bus.subjects import WORKER_GENERATE
@@ -16,3 +18,15 @@ async def worker_tokens(client, worker_id: str, prompt: list[int], sampling, **f
         async for chunk in chunks:
             out += chunk.token_ids
     return out
+
+
+def cold_tokens(engine_config, prompt: list[int], sampling) -> list[int]:
+    """``prompt``'s tokens from a fresh engine with no prefix cache (what a run on cached pages must
+    match), freed at once: CI's one process holds many engines."""
+    from services.engine import LLMEngine
+
+    cold = LLMEngine(engine_config.replace(enable_prefix_caching=False))
+    tokens = cold.generate_sync([prompt], sampling)[0].token_ids
+    del cold
+    gc.collect()
+    return tokens

@@ -8,7 +8,6 @@ recomputing) until a new one starts, when hits resume.
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
@@ -21,7 +20,7 @@ from services.kv_store.actor import KVStoreActor
 from services.kv_store.config import KVStoreConfig
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
-from tests.streaming import worker_tokens
+from tests.streaming import cold_tokens, worker_tokens
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
@@ -186,10 +185,7 @@ async def test_a_tail_one_worker_wrote_is_found_by_another_through_the_store(sys
     answer = await generate(client, "worker-a")  # PROMPT's 70 and 6 generated: 4 pages + 11 computed rows
     await wait_for(lambda: state["store"].core.index.num_stored >= 5, what="write-through of the pages and the tail")
     turn2 = PROMPT + answer + [1000 + i for i in range(9)]
-    cold = LLMEngine(config.engine_config.replace(enable_prefix_caching=False))
-    ref = cold.generate_sync([turn2], GREEDY)[0].token_ids
-    del cold  # (CI's process holds many engines)
-    gc.collect()
+    ref = cold_tokens(config.engine_config, turn2, GREEDY)
     assert await generate(client, "worker-b", turn2) == ref
     assert b.engine.block_manager.num_tail_loads == 1 and b.tier.stats["loaded_back"] == 5
     assert b.engine.stats.num_prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)

@@ -27,7 +27,7 @@ from services.kv_store.config import KVStoreConfig
 from services.transfer import KVReceiver, KVSender
 from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
-from tests.streaming import worker_tokens
+from tests.streaming import cold_tokens, worker_tokens
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
@@ -240,18 +240,13 @@ async def test_a_tail_written_on_one_host_is_fetched_on_another(system, config):
     """Turn 2 of a chat on a worker of another host: its prefetch fetches the full pages, then
     (one ``first_of`` lookup, one page by value) the tail worker-b left: the answer's computed
     rows are loaded, not recomputed."""
-    from services.engine import LLMEngine
-
     state, (b, c), client = system
     store = state["store"]
     await wait_for(lambda: b.tier.is_attached and c.tier.is_attached, what="workers attached")
     answer = await generate(client, "worker-b")  # PROMPT's 70 and 6 generated: 4 pages + 11 computed rows
     await wait_for(lambda: store.core.index.num_stored >= 5, what="write-through of the pages and the tail")
     turn2 = PROMPT + answer + [1000 + i for i in range(9)]
-    cold = LLMEngine(config.engine_config.replace(enable_prefix_caching=False))
-    ref = cold.generate_sync([turn2], GREEDY)[0].token_ids
-    del cold  # (CI's process holds many engines)
-    gc.collect()
+    ref = cold_tokens(config.engine_config, turn2, GREEDY)
     assert await generate(client, "worker-c", turn2) == ref
     assert c.engine.block_manager.num_tail_loads == 1 and c.tier.stats["loaded_back"] == 5
     assert c.engine.stats.num_prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)
