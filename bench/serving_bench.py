@@ -9,7 +9,10 @@ Same requests, same process for the client, one run:
   TTFT at ISL 1024     cold cache, and its parts from the first chunk's timings (tokenize, route,
                        prefill on the prefill worker, KV send, KV receive, first decode step)
 The in-process baseline is services.engine.LLMEngine driven through its async API in this
-process. The system is started with `kvbus up` (services.local_system) and called on
+process, without speculative decoding; so is the system (``--speculative off``, the default here:
+the rows then measure the serving path alone; ``--speculative auto`` starts `kvbus up` as its users
+get it, n-gram drafts for greedy requests, against the same plain baseline).
+The system is started with `kvbus up` (services.local_system) and called on
 kvbus.v1.generate with prompt_token_ids, so tokenization is skipped in both; prompts are random
 token ids with ignore_eos.
 """
@@ -131,6 +134,8 @@ def main() -> None:
     parser.add_argument("--worker-threads", type=int, default=0,
                         help="torch threads per engine worker process (0: all cores)")
     parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "nats"])
+    parser.add_argument("--speculative", default="off", choices=["off", "auto"],
+                        help="kvbus up's speculative decoding (off: as the in-process baseline)")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -146,7 +151,8 @@ def main() -> None:
     results = {}
     for setup in args.setups:
         print(f"{setup} through kvbus up ...", flush=True)
-        extra = ("--num-threads", str(args.worker_threads), "--kv-transfer", args.kv_transfer)
+        extra = ("--num-threads", str(args.worker_threads), "--kv-transfer", args.kv_transfer,
+                 "--speculative", args.speculative)
         with LocalSystem(*SETUPS[setup], *extra, "--kv-cache-memory", str(args.kv_cache_memory),
                          model_dir=model_dir) as system:
             results[setup] = asyncio.run(through_system(system.nats_url, args))
@@ -168,7 +174,7 @@ def main() -> None:
               f"client-measured TTFT {r['ttft']:.3f} s):")
         print(table([[k, f"{v:.3f}"] for k, v in parts.items()], ["part", "s"]))
     print(f"\nworker threads: {args.worker_threads or 'all cores'}; kv transfer: {args.kv_transfer}; "
-          f"repeats: {args.repeats} (best of)")
+          f"speculative: {args.speculative}; repeats: {args.repeats} (best of)")
 
 
 if __name__ == "__main__":
