@@ -7,17 +7,26 @@ import gc
 import uuid
 
 from bus.subjects import WORKER_GENERATE
+from schemas.engine import Usage
 from schemas.worker import WorkerGenerateRequest
 
 
-async def worker_tokens(client, worker_id: str, prompt: list[int], sampling, **fields) -> list[int]:
-    """The tokens ``worker_id`` streams for ``prompt``; ``fields``: more WorkerGenerateRequest fields."""
+async def worker_stream(client, worker_id: str, prompt: list[int], sampling, **fields) -> tuple[list[int], Usage | None]:
+    """The tokens ``worker_id`` streams for ``prompt``, and the usage of its last chunk that has one;
+    ``fields``: more WorkerGenerateRequest fields."""
     req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling, **fields)
     out: list[int] = []
+    usage = None
     async with client.stream(WORKER_GENERATE, req, worker_id=worker_id) as chunks:
         async for chunk in chunks:
             out += chunk.token_ids
-    return out
+            usage = chunk.usage or usage
+    return out, usage
+
+
+async def worker_tokens(client, worker_id: str, prompt: list[int], sampling, **fields) -> list[int]:
+    """The tokens ``worker_id`` streams for ``prompt`` (``worker_stream`` without the usage)."""
+    return (await worker_stream(client, worker_id, prompt, sampling, **fields))[0]
 
 
 def cold_tokens(engine_config, prompt: list[int], sampling) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -17,6 +16,8 @@ from schemas.worker import WorkerGenerateRequest
 from services.workers import WorkerConfig
 from services.workers.decode import DecodeActor
 from services.workers.prefill import PrefillActor
+from tests.streaming import worker_stream, worker_tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -75,13 +76,21 @@ async def system(engines):
 
 
 async def generate(client, prefill_worker_id: str | None, params=GREEDY, prompt=PROMPT) -> list[int]:
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=params,
-                                prefill_worker_id=prefill_worker_id, stream_interval=2)
-    out: list[int] = []
-    async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
-        async for chunk in chunks:
-            out += chunk.token_ids
-    return out
+    return await worker_tokens(client, "decode-0", prompt, params, prefill_worker_id=prefill_worker_id,
+                               stream_interval=2)
+
+
+def gate_steps(engine, monkeypatch) -> threading.Event:
+    """Hold ``engine``'s forward passes until the returned event is set (within 60 s): its requests
+    stay where they are however fast their steps would be."""
+    gate, run = threading.Event(), engine.runner.run
+
+    def gated(batch):
+        assert gate.wait(60), "the test never opened the gate"
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", gated)
+    return gate
 
 
 def all_pages_free(*actors) -> bool:
@@ -118,11 +127,8 @@ async def test_a_prefill_worker_that_goes_silent_costs_seconds_not_the_transfer_
     assert took < decode.config.peer_ttl + 5 < decode.config.transfer_timeout, took
     assert decode.num_prefill_failures == 1 and decode.num_local_prefills == 1
     assert decode.receiver.num_expected == 0
-    for _ in range(200):  # the prefill got the cancel: its engine lets the prompt go
-        if all_pages_free(prefill, decode):
-            break
-        await asyncio.sleep(0.05)
-    assert all_pages_free(prefill, decode)
+    # the prefill got the cancel: its engine lets the prompt go
+    await wait_for(lambda: all_pages_free(prefill, decode), timeout=10, what="every page free")
 
 
 async def test_cancel_mid_stream_frees_pages_on_both_workers(system):
@@ -132,11 +138,7 @@ async def test_cancel_mid_stream_frees_pages_on_both_workers(system):
     async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
         async for chunk in chunks:
             break
-    for _ in range(100):
-        if all_pages_free(prefill, decode):
-            break
-        await asyncio.sleep(0.05)
-    assert all_pages_free(prefill, decode)
+    await wait_for(lambda: all_pages_free(prefill, decode), timeout=5, what="every page free")
 
 
 async def test_full_worker_answers_overloaded(system, monkeypatch):
@@ -145,19 +147,11 @@ async def test_full_worker_answers_overloaded(system, monkeypatch):
     engine = prefill.engine
     # The prefill worker's forward passes wait at a gate, so its requests stay in it however fast
     # their prefill would be (a prompt whose rows are all cached computes one token).
-    gate, run = threading.Event(), engine.runner.run
-
-    def gated(batch):
-        assert gate.wait(60), "the test never opened the gate"
-        return run(batch)
-
-    monkeypatch.setattr(engine.runner, "run", gated)
+    gate = gate_steps(engine, monkeypatch)
     tasks = [asyncio.create_task(generate(client, "prefill-0", long)) for _ in range(3)]  # 2 running + 1 queued
     try:
-        for _ in range(600):  # wait for the condition (all three admitted), not for a fixed time
-            if engine.num_running + engine.num_waiting + prefill.num_admitting == 3:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: engine.num_running + engine.num_waiting + prefill.num_admitting == 3, timeout=30,
+                       what="all three admitted")
         with pytest.raises(errors.Overloaded, match="full"):
             await generate(client, "prefill-0", long)
     finally:
@@ -188,11 +182,7 @@ async def test_only_the_pages_the_decode_worker_lacks_cross(system, reference, r
     assert decode.transfer_pages - sent == 9 and decode.transfer_pages_skipped == skipped
     assert decode.transfer_bytes - nbytes == 9 * page_bytes
     assert decode.num_local_prefills == 0 and decode.num_prefill_failures == 0
-    for _ in range(100):
-        if all_pages_free(prefill, decode):
-            break
-        await asyncio.sleep(0.05)
-    assert all_pages_free(prefill, decode)
+    await wait_for(lambda: all_pages_free(prefill, decode), timeout=5, what="every page free")
 
 
 async def test_a_prefill_worker_that_ignores_skip_pages_still_serves(system, reference, reference_turn2):
@@ -227,16 +217,9 @@ def openings(engines):
     return [out.token_ids for out in engine.generate_sync([OPEN_A, OPEN_B], GREEDY)]
 
 
-async def stream(client, prompt: list[int], prefill_worker_id: str | None = "prefill-0"):
-    """(tokens, usage) of one generation through the decode worker."""
-    req = WorkerGenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=GREEDY,
-                                prefill_worker_id=prefill_worker_id)
-    out, usage = [], None
-    async with client.stream(WORKER_GENERATE, req, worker_id="decode-0") as chunks:
-        async for chunk in chunks:
-            out += chunk.token_ids
-            usage = chunk.usage or usage
-    return out, usage
+async def stream(client, prompt: list[int]):
+    """(tokens, usage) of one generation through the decode worker, prefill-0 named."""
+    return await worker_stream(client, "decode-0", prompt, GREEDY, prefill_worker_id="prefill-0")
 
 
 async def test_a_prompt_behind_a_local_prefill_of_its_prefix_stays_there(openings, system, monkeypatch):
@@ -250,26 +233,14 @@ async def test_a_prompt_behind_a_local_prefill_of_its_prefix_stays_there(opening
     engine = decode.engine
     remote, kept, behind, prefilled = (decode.num_remote_prefills, decode.num_kept_local, decode.num_kept_behind,
                                        prefill.num_prefilled)
-    gate = threading.Event()  # the decode engine's steps wait here: the first prompt stays "computing"
-    run = engine.runner.run
-
-    def gated(batch):
-        assert gate.wait(60), "the test never opened the gate"
-        return run(batch)
-
-    monkeypatch.setattr(engine.runner, "run", gated)
+    gate = gate_steps(engine, monkeypatch)  # the decode engine's steps wait: the first prompt stays "computing"
     try:
         first = asyncio.create_task(stream(client, OPEN_A))
-        for _ in range(600):  # wait for the condition (the first prompt taken here), not a fixed time
-            if decode._computing:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: decode._computing, timeout=30, what="the first prompt taken here")
         assert len(decode._computing) == 1 and decode.num_kept_local == kept + 1
         second = asyncio.create_task(stream(client, OPEN_B))
-        for _ in range(600):
-            if decode.num_kept_local == kept + 2 or decode.num_remote_prefills > remote:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: decode.num_kept_local == kept + 2 or decode.num_remote_prefills > remote, timeout=30,
+                       what="the second prompt's local-or-remote choice")
     finally:
         gate.set()
     (tokens_a, usage_a), (tokens_b, usage_b) = await asyncio.gather(first, second)
@@ -280,11 +251,7 @@ async def test_a_prompt_behind_a_local_prefill_of_its_prefix_stays_there(opening
     assert usage_b.cached_prompt_tokens == len(SYSTEM_PROMPT)  # the system prompt, computed once
     assert decode._computing == {} and decode.health_detail()["kept_behind"] == str(decode.num_kept_behind)
     decode.config = decode.config.replace(local_prefill_tokens=0)
-    for _ in range(100):
-        if all_pages_free(prefill, decode):
-            break
-        await asyncio.sleep(0.05)
-    assert all_pages_free(prefill, decode)
+    await wait_for(lambda: all_pages_free(prefill, decode), timeout=5, what="every page free")
 
 
 async def test_a_short_remainder_is_prefilled_where_it_is_decoded(fresh_turns, system):
@@ -306,8 +273,4 @@ async def test_a_short_remainder_is_prefilled_where_it_is_decoded(fresh_turns, s
     decode.config = decode.config.replace(local_prefill_tokens=0)  # off: every prefill goes remote
     assert await generate(client, "prefill-0", prompt=turn2) == want2
     assert decode.num_remote_prefills == remote + 2
-    for _ in range(100):
-        if all_pages_free(prefill, decode):
-            break
-        await asyncio.sleep(0.05)
-    assert all_pages_free(prefill, decode)
+    await wait_for(lambda: all_pages_free(prefill, decode), timeout=5, what="every page free")
