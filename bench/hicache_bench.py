@@ -17,6 +17,12 @@ Rows:
   TTFT p50, rounds >= 2      per mode; ratios L1+L2 / L1 only (goal <= 0.3) and / no prefix cache,
                              and L1+L2 / "l1+l2 pages" (its own L2, tails off: whole pages only,
                              the path before tails; block_manager.py)
+  --compare-prefault         a fifth mode, "l1+l2 lazy": L2's memory neither committed by the store nor
+                             mapped by the engine ahead (the path before prefault), and L1+L2 / it
+  per round                  TTFT p50 per mode and round, the L1+L2 / L1 ratio, and the ratio of the
+                             arithmetic the two turns do (the model's FLOPs for the rows each computes,
+                             projections and attention): the ratio the tier would reach if a short
+                             turn ran at the long recompute's FLOP rate, the floor of this workload
   hit rate                   cached prompt tokens / prompt tokens, and the part loaded from L2
   load-back vs prefill       seconds per token loaded back vs per token prefilled (goal >= 20x cheaper)
   decode step, write-back    mean decode step with write_through copies running vs no tier (goal <= 1.05x)
@@ -61,6 +67,16 @@ def ttft(engine, prompt: list[int], max_tokens: int, rid: str) -> tuple[float, l
     return first, out, cached
 
 
+def turn_flops(cfg, prompt_tokens: int, cached_tokens: int) -> float:
+    """The model's arithmetic for a turn that computes ``prompt_tokens - cached_tokens`` rows over
+    ``cached_tokens`` cached ones: every projection of every computed row, each row's attention
+    over the keys before it (Q.K and P.V), and the last row's LM head."""
+    n, h, d = prompt_tokens - cached_tokens, cfg.hidden_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    pairs = n * cached_tokens + n * (n + 1) / 2
+    return 2 * n * per_layer * cfg.num_layers + 4 * pairs * cfg.num_heads * d * cfg.num_layers + 2 * h * cfg.vocab_size
+
+
 def agent_workload(engines: dict, users: int, rounds: int, turn: int, max_tokens: int, seed: int = 0) -> dict:
     """Every turn on every engine, in a rotating order; rows per engine name."""
     rng = random.Random(seed)
@@ -90,6 +106,8 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compare-prefault", action="store_true",
+                    help='add a mode "l1+l2 lazy": L1+L2 with its arena neither committed nor mapped ahead')
     args = ap.parse_args()
     if args.quick:
         args.users, args.rounds, args.turn_tokens, args.max_tokens = 3, 3, 48, 4
@@ -108,12 +126,19 @@ def main() -> None:
     print(machine())
     print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, L1 {l1_gb * 1024:.1f} MB")
 
-    cores = {mode: StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5))
-             for mode in ("l1+l2", "l1+l2 pages")}
-    clients = {mode: HostTierClient(LocalLink(core), owner="bench") for mode, core in cores.items()}
-    # "l1+l2 pages": the path before tails (whole pages only), for the tails' own ratio
+    tiered = ("l1+l2", "l1+l2 pages") + (("l1+l2 lazy",) if args.compare_prefault else ())
+    cores = {mode: StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5,
+                                           hicache_prefault=mode != "l1+l2 lazy"))
+             for mode in tiered}
+    clients = {mode: HostTierClient(LocalLink(core), owner="bench", prefault=mode != "l1+l2 lazy")
+               for mode, core in cores.items()}
+    # "l1+l2 pages": the path before tails (whole pages only), for the tails' own ratio;
+    # "l1+l2 lazy": L2's memory neither committed nor mapped ahead (the path before prefault)
     engines = {mode: make_engine(model, l1_gb, clients.get(mode), prefix=mode != "none", tails=mode != "l1+l2 pages")
-               for mode in ("none", "l1", "l1+l2", "l1+l2 pages")}
+               for mode in ("none", "l1", *tiered)}
+    for thread in [c.prefault_thread for c in (*cores.values(), *clients.values())]:
+        if thread is not None:  # the workload starts once L2 is committed and mapped, as a long-running one is
+            thread.join()
     all_rows = agent_workload(engines, args.users, args.rounds, args.turn_tokens, args.max_tokens)
     results = {}
     for mode, rows in all_rows.items():
@@ -125,6 +150,18 @@ def main() -> None:
             stats=dict(clients[mode].stats) if mode in clients else {},
             prefill_per_token=sum(r[1] for r in rows) / sum(r[2] - r[3] for r in rows),
         )
+    cfg = engines["l1"].model_config
+    round_rows = []
+    for r in range(1, args.rounds):
+        p50 = {m: percentile([row[1] for row in rows if row[0] == r], 50) for m, rows in all_rows.items()}
+        work = {m: percentile([turn_flops(cfg, row[2], row[3]) for row in all_rows[m] if row[0] == r], 50)
+                for m in ("l1", "l1+l2")}
+        round_rows.append([str(r + 1), str(next(row[2] for row in all_rows["l1"] if row[0] == r)),
+                           *(f"{p50[m] * 1e3:.1f}" for m in all_rows),
+                           f"{p50['l1+l2'] / p50['l1']:.3f}", f"{work['l1+l2'] / work['l1']:.3f}"])
+    later = {m: [row for row in rows if row[0] >= 1] for m, rows in all_rows.items()}
+    rate = {m: sum(turn_flops(cfg, row[2], row[3]) for row in later[m]) / sum(row[1] for row in later[m])
+            for m in ("l1", "l1+l2")}
     tails = engines["l1+l2"].block_manager.num_tail_hits, engines["l1+l2"].block_manager.num_tail_loads
     for core in cores.values():
         core.close()
@@ -134,11 +171,22 @@ def main() -> None:
     print(table([[m, f"{r['p50'] * 1e3:.1f}", f"{r['hit'] - r['hit_host']:.0%}", f"{r['hit_host']:.0%}"]
                  for m, r in results.items()],
                 ["mode", "TTFT p50 rounds>=2 (ms)", "prompt tokens hit in L1", "hit in L2/L3"]))
-    print(f"TTFT ratio L1+L2 / L1 only: {results['l1+l2']['p50'] / results['l1']['p50']:.2f} (goal <= 0.3)")
+    print(f"TTFT ratio L1+L2 / L1 only: {results['l1+l2']['p50'] / results['l1']['p50']:.3f} (goal <= 0.3)")
     print(f"TTFT ratio L1+L2 / no prefix cache: {results['l1+l2']['p50'] / results['none']['p50']:.2f}")
     print(f"TTFT ratio L1+L2 / L1+L2 whole pages only (the path before tails): "
           f"{results['l1+l2']['p50'] / results['l1+l2 pages']['p50']:.3f}; tails reused from L1 {tails[0]}, "
           f"loaded from L2 {tails[1]}")
+    print("per round (round 1 has no history; the ratio rows are p50 over the round's users):")
+    print(table(round_rows, ["round", "prompt tokens", *(f"{m} ms" for m in all_rows), "L1+L2 / L1 TTFT",
+                             "L1+L2 / L1 FLOPs"]))
+    work = {m: percentile([turn_flops(cfg, row[2], row[3]) for row in later[m]], 50) for m in ("l1", "l1+l2")}
+    print(f"FLOPs p50 of rounds >= 2, L1+L2 / L1 only: {work['l1+l2'] / work['l1']:.3f} (the TTFT ratio at equal FLOP rates)")
+    print(f"FLOP rate over rounds >= 2: L1 only {rate['l1'] / 1e9:.0f} GFLOP/s, L1+L2 {rate['l1+l2'] / 1e9:.0f} "
+          f"GFLOP/s ({rate['l1+l2'] / rate['l1']:.2f}x: a short turn's larger share of attention, load-back "
+          f"and the per-step costs)")
+    if "l1+l2 lazy" in results:
+        print(f"TTFT ratio L1+L2 / L1+L2 with L2 neither committed nor mapped ahead: "
+              f"{results['l1+l2']['p50'] / results['l1+l2 lazy']['p50']:.3f}")
     print(f"L1+L2 run: loaded back {loaded_tokens} tokens, written back {l2.get('written_back', 0)} pages "
           f"({l2.get('written_sync', 0)} at eviction), dropped {l2.get('dropped', 0)}")
     if loaded_tokens:
@@ -151,6 +199,9 @@ def main() -> None:
     core = StoreCore(KVStoreConfig(hicache_size=0.05 if args.quick else 0.5, memory_reserve=0.5))
     client = HostTierClient(LocalLink(core), owner="bench-decode", write_policy="write_through")
     engines = {"none": make_engine(model, l1_gb * 2), "write-back": make_engine(model, l1_gb * 2, client)}
+    for thread in (core.prefault_thread, client.prefault_thread):  # (not while the steps are timed)
+        if thread is not None:
+            thread.join()
     n = 8 if args.quick else 64
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     times = {mode: [] for mode in engines}

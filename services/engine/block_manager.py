@@ -26,7 +26,11 @@ is set until :meth:`poll_loads` reports the copy landed, and then the verified
 pages are indexed and ``seq.num_computed_tokens`` covers them (the first page
 that failed verification and everything after it is computed). A sequence freed
 while loading gives its pages back only when the copy landed: the copy thread
-never writes into a page someone else holds.
+never writes into a page someone else holds. A load still in flight after
+``load_timeout`` seconds is given up: its request gets fresh pages and computes
+what the load would have brought (nothing stale is ever read: the late copy
+lands in pages nobody uses, which are freed then); if the pool has no room for
+them yet, the request keeps waiting, and a copy that lands is used.
 
 Rows, not only pages (token-granular reuse): where a request's full pages stop
 matching, its next page may still begin like a cached one. When a sequence is
@@ -45,6 +49,7 @@ from are never written (a tail is never owned by a sequence).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from os.path import commonprefix  # any sequences, not only paths
 
@@ -74,11 +79,12 @@ class Page:
 class _Load:
     """A lower-tier load in flight into a sequence's pages."""
 
-    __slots__ = ("seq", "start", "page_ids", "first_admission", "cancelled")
+    __slots__ = ("seq", "start", "count", "started", "page_ids", "first_admission", "cancelled")
 
-    def __init__(self, seq: Sequence, start: int, first_admission: bool):
-        self.seq, self.start, self.first_admission = seq, start, first_admission
-        self.page_ids: list[int] = []  # every page of seq, once cancelled: freed when the copy lands
+    def __init__(self, seq: Sequence, start: int, count: int, started: float, first_admission: bool):
+        self.seq, self.start, self.count, self.started = seq, start, count, started
+        self.first_admission = first_admission
+        self.page_ids: list[int] = []  # once cancelled: the pages the copy writes, freed when it lands
         self.cancelled = False
 
 
@@ -93,6 +99,12 @@ the others the copy; a short copy stalls them for less than that is worth (bench
 8 pages of the default model, 5.6 MiB, copy in about 0.3 ms on CPU, a few % of one decode step)."""
 
 
+LOAD_TIMEOUT_S = 5.0
+"""Seconds an asynchronous load may stay in flight before its request computes those pages instead.
+A load is a local copy (tens of ms for a long prompt, behind the write-backs queued before it), so
+this fires only for a copy thread that stalls; recomputing a long prompt costs seconds."""
+
+
 class BlockManager:
     def __init__(
         self,
@@ -104,6 +116,9 @@ class BlockManager:
         hooks: CacheTierHooks | list[CacheTierHooks] | None = None,
         write_back_window: int | None = None,
         reuse_tails: bool = True,
+        async_load_min_pages: int = ASYNC_LOAD_MIN_PAGES,
+        load_timeout: float = LOAD_TIMEOUT_S,
+        clock=time.monotonic,
     ):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"need num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
@@ -121,11 +136,15 @@ class BlockManager:
         """How many of the least recently used cached pages are copied out ahead of eviction."""
         self.num_copying = 0
         self.num_loaded_back = 0
-        self.async_load_min_pages = ASYNC_LOAD_MIN_PAGES
+        self.async_load_min_pages = async_load_min_pages
         """Fewest lower-tier pages loaded asynchronously (``allocate(may_wait=True)``)."""
+        self.load_timeout = load_timeout
+        """Seconds an asynchronous load may take before its request recomputes those pages."""
+        self.clock = clock
         self.loads: dict[object, _Load] = {}  # ticket -> load in flight
         self.num_async_loads = 0
         self.num_loads_cancelled = 0  # sequences freed while their pages were loading
+        self.num_load_timeouts = 0  # loads given up for taking longer than load_timeout
         self._loaded: list[Sequence] = []  # loads landed, not yet reported by poll_loads
         self.reuse_tails = enable_prefix_caching and reuse_tails
         """Index the computed part of a freed sequence's partial last page and reuse it (a tail)."""
@@ -252,7 +271,7 @@ class BlockManager:
                 log.exception("start_load of %d pages failed; loading synchronously", num_hits)
                 ticket = None
             if ticket is not None:
-                self.loads[ticket] = _Load(seq, start, not seq.is_admitted_once)
+                self.loads[ticket] = _Load(seq, start, num_hits, self.clock(), not seq.is_admitted_once)
                 self.num_async_loads += 1
                 seq.loading_ticket = ticket
                 seq.page_ids.extend(page_ids)  # filled by the tier; indexed when they land
@@ -277,12 +296,38 @@ class BlockManager:
         return len(self.loads)
 
     def poll_loads(self) -> list[Sequence]:
-        """Once a step: sequences whose pages landed since the last call; they may run now."""
+        """Once a step: sequences whose pages landed since the last call, or whose load was given
+        up for taking longer than ``load_timeout``; they may run now."""
         if self.loads:
             for ticket, n in self.hooks.poll_loaded():
                 self._land(ticket, n)
+            now = self.clock()
+            for load in list(self.loads.values()):
+                if not load.cancelled and now - load.started > self.load_timeout:
+                    self._give_up(load)
         ready, self._loaded = self._loaded, []
         return ready
+
+    def _give_up(self, load: _Load) -> None:
+        """The load is late: its request computes those pages in fresh ones (if the pool has room;
+        else it keeps waiting), and the pages the copy writes are freed when it lands."""
+        # (pages being copied out wait for the copy thread, which may be the one that is late)
+        room = len(self.free_page_ids) + sum(1 for p in self.cached_page_ids if self.pages[p].tier_state != COPYING)
+        if room < load.count:
+            return
+        seq = load.seq
+        end = load.start + load.count
+        load.page_ids = seq.page_ids[load.start : end]
+        load.cancelled = True
+        seq.page_ids[load.start : end] = [self._take_free_page() for _ in range(load.count)]
+        seq.loading_ticket = None
+        seq.num_computed_tokens = load.start * self.page_size
+        if load.first_admission:
+            seq.num_loaded_tokens = 0
+        self.num_load_timeouts += 1
+        log.warning("a load of %d pages took over %.1f s; recomputing them for %s", load.count, self.load_timeout,
+                    seq.request_id)
+        self._loaded.append(seq)
 
     def wait_loads(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for a load to land (the step has nothing else to do)."""
@@ -324,7 +369,7 @@ class BlockManager:
         load = self.loads[seq.loading_ticket]
         load.cancelled = True
         self.num_loads_cancelled += 1
-        load.page_ids = list(seq.page_ids)
+        load.page_ids = list(seq.page_ids)  # (the sequence is being freed: all its pages wait for the copy)
         seq.loading_ticket = None
 
     # ---- tails -------------------------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from services.config import ConfigError
+from services.engine.block_manager import ASYNC_LOAD_MIN_PAGES, LOAD_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
@@ -80,6 +81,14 @@ class EngineConfig:
     """Prefix caching to the token: keep the computed part of a finished request's last, partial
     page (a tail) and reuse it when a later prompt continues that request (the next chat turn)."""
 
+    async_load_min_pages: int = ASYNC_LOAD_MIN_PAGES
+    """With a lower cache tier (HiCache): fewest pages of a prefix hit loaded on the copy thread while
+    other requests keep stepping; a shorter run is copied at admission, on the engine thread."""
+
+    load_back_timeout: float = LOAD_TIMEOUT_S
+    """With a lower cache tier: seconds a load on the copy thread may take before its request computes
+    those pages instead (the late copy's pages are freed when it lands; nothing it brings is used)."""
+
     cache_salt: str = ""
     """Salt of the chained page hashes (model / tenant namespace); peers sharing pages must agree."""
 
@@ -142,6 +151,10 @@ class EngineConfig:
             bad("max_running_requests", "must be >= 1")
         if self.max_prefill_tokens < 1:
             bad("max_prefill_tokens", "must be >= 1")
+        if self.async_load_min_pages < 1:
+            bad("async_load_min_pages", "must be >= 1")
+        if not self.load_back_timeout > 0:
+            bad("load_back_timeout", "must be > 0 s")
         if self.chunked_prefill_size < 0:
             bad("chunked_prefill_size", "must be >= 0 (0 = no chunking)")
         if self.num_threads < 0:

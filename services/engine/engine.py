@@ -101,7 +101,8 @@ class LLMEngine(AsyncEngineMixin):
         self.block_manager = BlockManager(
             num_pages, config.page_size, salt=config.cache_salt,
             enable_prefix_caching=config.enable_prefix_caching, hooks=tier_hooks,
-            reuse_tails=config.reuse_tail_pages,
+            reuse_tails=config.reuse_tail_pages, async_load_min_pages=config.async_load_min_pages,
+            load_timeout=config.load_back_timeout,
         )
         self.block_manager.bind(self.kv_pool)
         self.scheduler = Scheduler(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -67,6 +68,8 @@ class StoreCore:
         self.counters = {k: 0 for k in ("hits_host", "hits_disk", "misses", "committed", "duplicates",
                                         "evicted_host", "spilled_disk", "corrupted_disk", "bytes_in_disk",
                                         "remote_in", "remote_out")}
+        self._closing = threading.Event()
+        self.prefault_thread: threading.Thread | None = None
         if config.hicache_size is not None:
             check_size(int(config.hicache_size * GB), config.memory_reserve)
 
@@ -109,6 +112,21 @@ class StoreCore:
                                  max(1, int(cfg.hicache_storage_size * GB // page_bytes)))
         log.info("kv_store: L2 arena %s, %d slots x %d B (%.2f GB)%s", self.arena.name, layout.num_slots,
                  page_bytes, layout.total_bytes / GB, f", L3 {self.disk.dir} ({len(self.disk)} pages)" if self.disk else "")
+        if cfg.hicache_prefault:
+            self.prefault_thread = threading.Thread(target=self._prefault, args=(self.arena,), name="kvbus-l2-prefault",
+                                                    daemon=True)
+            self.prefault_thread.start()
+
+    def _prefault(self, arena: Arena) -> None:
+        """Commit the arena's memory (in the background: engines use it meanwhile)."""
+        t0 = time.monotonic()
+        log.info("kv_store: committing L2's %.2f GB of memory in the background", arena.layout.total_bytes / GB)
+        try:
+            done = arena.prefault(self._closing)
+        except (OSError, ValueError) as e:  # an old kernel; or the arena closed under the call
+            log.warning("kv_store: L2's memory was not committed ahead (%s); write-backs touch it first", e)
+            return
+        log.info("kv_store: L2 memory committed: %.2f GB in %.1f s", done / GB, time.monotonic() - t0)
 
     def detach(self, owner: str) -> None:
         with self.lock:
@@ -311,6 +329,7 @@ class StoreCore:
             return [] if self.index is None else [(h, p.parent_hash) for h, p in self.index.stored.items()]
 
     def close(self) -> None:
+        self._closing.set()
         with self.lock:
             if self.arena is not None:
                 self.arena.close()

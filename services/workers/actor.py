@@ -69,7 +69,8 @@ class EngineWorker(Actor):
             self.tier = HostTierClient(
                 link, owner=self.worker_id,
                 model=str(cfg.model or "default"), write_policy=cfg.hicache_write_policy,
-                selective_hits=cfg.hicache_selective_hits, min_load_pages=cfg.hicache_min_load_pages)
+                selective_hits=cfg.hicache_selective_hits, min_load_pages=cfg.hicache_min_load_pages,
+                prefault=cfg.hicache_prefault)
             hooks.append(self.tier)
             self.metrics.attach_tier(self.tier)
         if self.engine is None:

@@ -123,8 +123,17 @@ class _WorkerCollector:
                            s["load_back_bytes"])
         yield self._family(c, "kvbus_hicache_verify_failed_pages",
                            "Host pages that changed under a load-back (recomputed, never served).", s["verify_failed"])
+        yield self._family(c, "kvbus_hicache_async_loads",
+                           "Load-backs run on the copy thread while other requests kept stepping.", bm.num_async_loads)
+        yield self._family(c, "kvbus_hicache_loads_given_up",
+                           "Asynchronous load-backs still in flight after load_back_timeout: their requests "
+                           "computed those pages instead.", bm.num_load_timeouts)
+        yield self._family(g, "kvbus_hicache_loads_inflight",
+                           "Asynchronous load-backs not yet landed (those of aborted or given-up requests included).",
+                           bm.num_loading)
         yield self._family(g, "kvbus_hicache_write_back_queue_depth",
-                           "Write-back copies queued for the copy thread, not yet started.", tier.num_queued)
+                           "Copies queued for the copy thread, not yet started (write-backs; loads go first).",
+                           tier.num_queued)
         yield self._family(g, "kvbus_hicache_write_back_inflight_pages",
                            "KV pool pages held by a write-back until the engine sees its copy land.", bm.num_copying)
         yield self._family(g, "kvbus_hicache_leased_slots", "Empty host slots leased for coming write-backs.",

@@ -383,6 +383,90 @@ def test_a_sequence_freed_after_its_copy_landed_but_before_the_poll():
     check_invariants(bm)
 
 
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def late_bm(tokens, num_pages=8):
+    bm, tier = async_bm(tokens, num_pages)
+    bm.clock, bm.load_timeout = Clock(), 1.0
+    return bm, tier
+
+
+def test_a_late_load_is_given_up_its_pages_computed_and_freed_when_the_copy_lands():
+    tokens = list(range(14))  # 3 pages from the tier, 1 partial
+    bm, tier = late_bm(tokens)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    loading, last = s.page_ids[:3], s.page_ids[3]
+    bm.clock.now = 1.0
+    assert bm.poll_loads() == [] and s.loading_ticket == 0  # not late yet
+    bm.clock.now = 1.5
+    assert bm.poll_loads() == [s]
+    assert s.loading_ticket is None and s.num_computed_tokens == 0 and s.num_loaded_tokens == 0
+    assert not set(s.page_ids[:3]) & set(loading) and s.page_ids[3] == last and bm.num_load_timeouts == 1
+    assert all(bm.pages[p].ref_count == 1 for p in loading) and bm.num_free_pages == 1  # the copy may still write them
+    assert bm.num_loading == 1 and bm.poll_loads() == []  # reported once
+    tier.land(0)
+    assert bm.poll_loads() == []
+    assert bm.num_free_pages == 4 and bm.hash_to_page_id == {} and bm.num_loading == 0  # the late copy is not used
+    s.num_computed_tokens = s.num_tokens  # the model computes every page
+    bm.index_computed_pages(s)
+    bm.free(s)
+    assert bm.num_free_pages == 8 and len(bm.hash_to_page_id) == 3
+    check_invariants(bm)
+
+
+def test_a_late_load_after_an_l1_prefix_keeps_the_prefix():
+    tokens = list(range(14))
+    bm, tier = late_bm(tokens)
+    run_prefill(bm, make_seq(tokens[:5], "warm"))  # L1 holds page 0
+    tier.held = page_hashes(tokens, PS)[1:]  # the tier holds pages 1 and 2
+    s = make_seq(tokens, "s")
+    bm.allocate(s, may_wait=True)
+    assert s.loading_ticket is not None and tier.started[0][1] == s.page_ids[1:3]
+    prefix = s.page_ids[0]
+    bm.clock.now = 2.0
+    assert bm.poll_loads() == [s]
+    assert s.page_ids[0] == prefix and s.num_computed_tokens == 4
+    tier.land(0)
+    bm.poll_loads()
+    check_invariants(bm)
+
+
+def test_a_late_load_waits_for_room_and_a_copy_that_lands_then_is_used():
+    tokens = list(range(14))
+    bm, tier = late_bm(tokens, num_pages=4)  # the sequence holds the whole pool: no room for fresh pages
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    bm.clock.now = 5.0
+    assert bm.poll_loads() == [] and s.loading_ticket == 0 and bm.num_load_timeouts == 0
+    tier.land(0)
+    assert bm.poll_loads() == [s] and s.num_computed_tokens == 12 and s.num_loaded_tokens == 12
+    bm.free(s)
+    assert bm.num_free_pages == 4
+    check_invariants(bm)
+
+
+def test_a_sequence_freed_after_its_load_was_given_up():
+    tokens = list(range(14))
+    bm, tier = late_bm(tokens)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    bm.clock.now = 2.0
+    assert bm.poll_loads() == [s]
+    bm.free(s)  # aborted before it ran: its fresh pages go back now, the loading ones when the copy lands
+    assert bm.num_free_pages == 5
+    tier.land(0)
+    bm.poll_loads()
+    assert bm.num_free_pages == 8 and bm.num_loading == 0
+    check_invariants(bm)
+
+
 def test_short_runs_and_may_wait_false_load_synchronously():
     tokens = list(range(14))
     bm, tier = async_bm(tokens)

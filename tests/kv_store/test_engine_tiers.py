@@ -338,6 +338,25 @@ def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, 
     core.index.check()
 
 
+def test_a_load_held_past_its_timeout_is_recomputed_identically(model_dir, page_gb, reference, core):
+    ps, ref = reference
+    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
+    bm = engine.block_manager
+    bm.clock = lambda: float("inf")  # from now on every load in flight is past its timeout
+    for _ in range(100):  # (both need 7 steps; the copy thread still holds the load)
+        if not engine.has_unfinished():
+            break
+        collect(engine, outs)
+    assert {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()} == {"other": ref[1], "loader": ref[0]}
+    assert outs["loader"][-1].usage.cached_tokens_host == 0 and bm.num_load_timeouts == 1
+    assert bm.num_loading == 1  # the pages the copy writes are still its own
+    gate.release()
+    bm.wait_for_loads()
+    bm.wait_for_copies()
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+    core.index.check()
+
+
 def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(model_dir, page_gb, core):
     """Chat: turn 2 is turn 1's prompt and answer plus a new message. The answer's computed rows
     (a tail, block_manager.py) are reused from L1, from L2 after L1 evicted them, and by another

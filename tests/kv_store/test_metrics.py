@@ -124,6 +124,9 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_hicache_loaded_back_bytes_total", ())] == hicache(d, "load_back_bytes") == 4 * b.tier.page_bytes
         assert m[("kvbus_hicache_lookups_total", (("result", "hit"),))] == hicache(d, "hits") == 1
         assert m[("kvbus_hicache_load_back_seconds_count", ())] == 1
+        # alone on its engine, the load ran at admission (synchronously): none on the copy thread
+        assert m[("kvbus_hicache_async_loads_total", ())] == b.engine.block_manager.num_async_loads == 0
+        assert m[("kvbus_hicache_loads_given_up_total", ())] == m[("kvbus_hicache_loads_inflight", ())] == 0
         assert m[("kvbus_hicache_load_back_seconds_sum", ())] == pytest.approx(hicache(d, "load_back_seconds"),
                                                                              rel=1e-3, abs=1e-6)
         assert m[("kvbus_hicache_load_back_seconds_bucket", (("le", "+Inf"),))] == 1

@@ -55,6 +55,46 @@ def test_arena_segment_is_owner_only(arena):
     assert stat.S_IMODE(mode) == 0o600
 
 
+def shm_bytes(arena) -> int:
+    """Memory the segment holds now (tmpfs allocates a page at its first touch)."""
+    import os
+
+    return os.stat(f"/dev/shm/{arena.name}").st_blocks * 512
+
+
+def test_prefault_commits_the_arena_and_keeps_what_it_holds():
+    a = Arena.create(ArenaLayout(40, 64 << 10, PS), tag="test")  # 2.5 MiB of slots
+    try:
+        a.write(3, 77, [1, 2, 3, 4], np.full(64 << 10, 7, np.uint8))
+        assert shm_bytes(a) < a.layout.total_bytes // 4  # only what was touched
+        assert a.prefault(chunk=1 << 20) == a.layout.total_bytes  # in several chunks
+        assert shm_bytes(a) >= a.layout.total_bytes - 4096
+        out = np.zeros(64 << 10, np.uint8)
+        assert a.read_into(3, 77, [1, 2, 3, 4], out) and (out == 7).all()
+        assert a.slot_hash(5) is None and not a.slot_data(5).any()  # an empty slot stays empty
+        import threading
+
+        stop = threading.Event()
+        stop.set()
+        assert a.prefault(stop) == 0
+    finally:
+        a.close()
+    assert a.prefault() == 0  # closed: nothing to do, no error
+
+
+def test_the_store_commits_l2_in_the_background_unless_told_not_to():
+    core = StoreCore(KVStoreConfig(hicache_size=0.002, memory_reserve=0.0))
+    core.attach("e", "k", PB, PS, PB)
+    core.prefault_thread.join(60)
+    assert not core.prefault_thread.is_alive()
+    assert shm_bytes(core.arena) >= core.arena.layout.total_bytes - 4096
+    core.close()
+    lazy = StoreCore(KVStoreConfig(hicache_size=0.002, memory_reserve=0.0, hicache_prefault=False))
+    lazy.attach("e", "k", PB, PS, PB)
+    assert lazy.prefault_thread is None and shm_bytes(lazy.arena) < lazy.arena.layout.total_bytes // 4
+    lazy.close()
+
+
 def test_index_lru_and_accounting():
     idx = SlotIndex(3)
     for slot, h in zip((idx.take_free(), idx.take_free(), idx.take_free()), (10, 11, 12)):
