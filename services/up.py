@@ -403,6 +403,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                         argv += ["--draft-model", args.draft_model]
                 if getattr(args, "hicache", False):
                     argv += ["--hicache", "--hicache-write-policy", args.hicache_write_policy]
+                    if not args.hicache_prefault:
+                        argv += ["--no-hicache-prefault"]
             if role == "draft":
                 argv += ["--model", str(model_dir), "--speculative-method", speculation(args)[0],
                          "--num-speculative-tokens", str(args.num_speculative_tokens)]
@@ -415,6 +417,8 @@ def plan(args: argparse.Namespace, nats_url: str, model_dir) -> tuple[dict[str, 
                     argv += ["--hicache-size", str(args.hicache_size)]
                 if args.hicache_storage_dir:
                     argv += ["--hicache-storage-dir", args.hicache_storage_dir]
+                if not args.hicache_prefault:
+                    argv += ["--no-hicache-prefault"]
             if role == "gateway":
                 argv += ["--http-host", args.http_host, "--http-port", str(args.http_port)]
                 if args.api_key_file:  # keys themselves travel in KVBUS_API_KEY (inherited), never in argv
@@ -588,6 +592,9 @@ def up_main(argv: list[str]) -> int:
                         help="L2 hits a page needs to be written to L3 when L2 evicts it")
     parser.add_argument("--hicache-write-policy", default="write_back",
                         choices=["write_back", "write_through", "write_through_selective"])
+    parser.add_argument("--hicache-prefault", action=argparse.BooleanOptionalAction, default=True,
+                        help="commit L2's memory when the kv_store makes it and map it into every engine ahead, in "
+                             "the background (a first touch of a slot costs ~7x the copy; docs/hicache.md)")
     parser.add_argument("--http-host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=9400,

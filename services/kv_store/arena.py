@@ -24,6 +24,7 @@ kv_store commits it up front in the background (:meth:`Arena.prefault`).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -69,6 +70,14 @@ class ArenaLayout:
     @property
     def total_bytes(self) -> int:
         return self.data_offset + self.num_slots * self.slot_stride
+
+
+def idle_priority() -> None:
+    """Give the calling thread the least CPU priority (nice 19; Linux: a thread id names that thread
+    alone), so background work such as :meth:`Arena.prefault` takes only the time the engines'
+    forward passes leave idle."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class Arena:
@@ -137,7 +146,8 @@ class Arena:
         """Commit the segment's memory now, ``chunk`` bytes a call (``MADV_POPULATE_WRITE``: the
         pages are allocated as a write would, their bytes unchanged, so engines may use the arena
         meanwhile). Returns the bytes done; stops early when ``stop`` is set or the arena closes.
-        Raises OSError where the kernel lacks the advice (Linux < 5.14)."""
+        Raises OSError where the kernel lacks the advice (Linux < 5.14). Run it on a thread of its
+        own after :func:`idle_priority`."""
         done, total = 0, self.layout.total_bytes
         while done < total and not (stop is not None and stop.is_set()):
             n = min(chunk, total - done)

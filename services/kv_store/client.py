@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from services.engine.tier_hooks import CacheTierHooks
-from services.kv_store.arena import Arena
+from services.kv_store.arena import Arena, idle_priority
 from services.kv_store.policies import make_write_policy
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ class HostTierClient(CacheTierHooks):
         own: a page the kv_store committed still faults on this side at its first touch (0.48 against
         0.08 ms to write a page of the default model on the dev VM), on the copy thread, beside the
         forward pass; mapping it ahead costs ~0.3 s a GB once."""
+        idle_priority()
         t0 = time.perf_counter()
         try:
             done = arena.prefault(self._closing)

@@ -20,7 +20,7 @@ import numpy as np
 
 from bus.errors import InvalidArgument
 from services.config import ConfigError
-from services.kv_store.arena import Arena, ArenaLayout
+from services.kv_store.arena import Arena, ArenaLayout, idle_priority
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.disk import DiskTier
 from services.kv_store.index import SlotIndex
@@ -119,6 +119,7 @@ class StoreCore:
 
     def _prefault(self, arena: Arena) -> None:
         """Commit the arena's memory (in the background: engines use it meanwhile)."""
+        idle_priority()
         t0 = time.monotonic()
         log.info("kv_store: committing L2's %.2f GB of memory in the background", arena.layout.total_bytes / GB)
         try:

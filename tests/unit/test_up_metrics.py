@@ -46,7 +46,7 @@ def _args(**kw) -> argparse.Namespace:
                 decode=1, speculative=None, draft_placement="local", share_cores=True, drain_timeout=30.0,
                 kv_cache_memory=0.5, dtype="auto", num_threads=0, engine_args="", kv_transfer="auto",
                 hicache_write_policy="write_back", hicache_ratio=2.0, hicache_l3_admit_hits=1, hicache_size=None,
-                hicache_storage_dir=None, http_host="127.0.0.1", http_port=8000, api_key_file=None,
+                hicache_storage_dir=None, hicache_prefault=True, http_host="127.0.0.1", http_port=8000, api_key_file=None,
                 metrics_port=0, metrics_host="127.0.0.1", draft_model=None, num_speculative_tokens=4)
     return argparse.Namespace(**{**base, **kw})
 
@@ -62,3 +62,11 @@ def test_plan_gives_the_store_and_every_engine_a_metrics_port():
     assert "--metrics-port" not in by_name["gateway-0"].argv and "--metrics-port" not in by_name["router-0"].argv
     _, children = plan(_args(metrics_port=-1), "nats://127.0.0.1:4222", "/models/x")
     assert all(c.metrics_port is None and "--metrics-port" not in c.argv for c in children)
+
+
+def test_no_hicache_prefault_reaches_the_store_and_every_engine():
+    _, children = plan(_args(), "nats://127.0.0.1:4222", "/models/x")
+    assert not any("--no-hicache-prefault" in c.argv for c in children)
+    _, children = plan(_args(hicache_prefault=False), "nats://127.0.0.1:4222", "/models/x")
+    told = {c.name for c in children if "--no-hicache-prefault" in c.argv}
+    assert told == {"kv_store-0", "prefill-0", "decode-0"}
