@@ -467,6 +467,67 @@ def test_a_sequence_freed_after_its_load_was_given_up():
     check_invariants(bm)
 
 
+def test_random_loads_lands_give_ups_and_aborts_never_lose_a_page():
+    """Seeded random admissions, landings (some short), clock jumps past the timeout, finishes and
+    aborts in every state: the pages always add up, and all come back at the end."""
+    rng = random.Random(7)
+    bases = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
+    known = {h for b in bases for h in page_hashes(b, PS)}
+
+    class Tier(AsyncTier):
+        def lookup(self, hashes):
+            n = 0
+            while n < len(hashes) and hashes[n] in known:
+                n += 1
+            return n
+
+    tier = Tier([])
+    bm = BlockManager(24, PS, hooks=tier)
+    bm.async_load_min_pages, bm.clock, bm.load_timeout = 1, Clock(), 1.0
+    waiting, running, inflight = [], [], {}  # inflight: ticket -> its page count
+    for i in range(600):
+        op = rng.random()
+        if op < 0.3:
+            base = bases[rng.randrange(3)]
+            seq = make_seq(base[: rng.randrange(5, 25)] + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 6))], f"r{i}")
+            if bm.can_allocate(seq):
+                bm.allocate(seq, may_wait=True)
+                if seq.loading_ticket is not None:
+                    waiting.append(seq)
+                    inflight[seq.loading_ticket] = len(tier.started[seq.loading_ticket][1])
+                else:
+                    running.append(seq)
+        elif op < 0.5 and inflight:
+            ticket = rng.choice(sorted(inflight))
+            tier.land(ticket, rng.randrange(inflight.pop(ticket) + 1))
+        elif op < 0.65:
+            bm.clock.now += rng.choice([0.0, 0.5, 2.0])
+            for seq in bm.poll_loads():
+                waiting.remove(seq)
+                running.append(seq)
+        elif op < 0.85 and running:
+            seq = running.pop(rng.randrange(len(running)))
+            seq.num_computed_tokens = seq.num_tokens  # the model computed the rest
+            bm.index_computed_pages(seq)
+            bm.free(seq)
+        elif waiting or running:
+            pool = waiting if waiting and (not running or rng.random() < 0.5) else running
+            bm.free(pool.pop(rng.randrange(len(pool))))  # an abort
+        check_invariants(bm)
+        held = {p for s in waiting + running for p in s.page_ids}
+        assert all(bm.pages[p].ref_count >= 1 for p in held)
+    assert bm.num_load_timeouts > 0 and bm.num_loads_cancelled > 0 and bm.num_loaded_back > 0
+    for ticket, count in inflight.items():
+        tier.land(ticket, count)
+    for seq in bm.poll_loads():
+        waiting.remove(seq)
+        running.append(seq)
+    for seq in waiting + running:
+        bm.free(seq)
+    assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
+    check_invariants(bm)
+
+
 def test_short_runs_and_may_wait_false_load_synchronously():
     tokens = list(range(14))
     bm, tier = async_bm(tokens)
