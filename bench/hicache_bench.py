@@ -180,7 +180,8 @@ def main() -> None:
     print(table(round_rows, ["round", "prompt tokens", *(f"{m} ms" for m in all_rows), "L1+L2 / L1 TTFT",
                              "L1+L2 / L1 FLOPs"]))
     work = {m: percentile([turn_flops(cfg, row[2], row[3]) for row in later[m]], 50) for m in ("l1", "l1+l2")}
-    print(f"FLOPs p50 of rounds >= 2, L1+L2 / L1 only: {work['l1+l2'] / work['l1']:.3f} (the TTFT ratio at equal FLOP rates)")
+    print(f"FLOPs p50 of rounds >= 2, L1+L2 / L1 only: {work['l1+l2'] / work['l1']:.3f} "
+          "(the TTFT ratio at equal FLOP rates)")
     print(f"FLOP rate over rounds >= 2: L1 only {rate['l1'] / 1e9:.0f} GFLOP/s, L1+L2 {rate['l1+l2'] / 1e9:.0f} "
           f"GFLOP/s ({rate['l1+l2'] / rate['l1']:.2f}x: a short turn's larger share of attention, load-back "
           f"and the per-step costs)")

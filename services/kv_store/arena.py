@@ -25,10 +25,12 @@ kv_store commits it up front in the background (:meth:`Arena.prefault`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,8 @@ try:
     import _posixshmem
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
+
+log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "kvbus-kvstore-"
 _ALIGN = 4096
@@ -72,12 +76,26 @@ class ArenaLayout:
         return self.data_offset + self.num_slots * self.slot_stride
 
 
-def idle_priority() -> None:
-    """Give the calling thread the least CPU priority (nice 19; Linux: a thread id names that thread
-    alone), so background work such as :meth:`Arena.prefault` takes only the time the engines'
-    forward passes leave idle."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+def prefault_in_background(arena: "Arena", stop: threading.Event, what: str) -> threading.Thread:
+    """Start a daemon thread that runs ``arena.prefault(stop)`` at the least CPU priority (nice 19;
+    on Linux a thread id names that thread alone), so it takes only the time the engines' forward
+    passes leave idle, and logs what it did as ``what`` (its start and its end, or why it could not)."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        t0 = time.monotonic()
+        log.info("%s: %.2f GB, in the background", what, arena.layout.total_bytes / 2**30)
+        try:
+            done = arena.prefault(stop)
+        except (OSError, ValueError) as e:  # an old kernel (< 5.14); or the mapping closed under the call
+            log.warning("%s: not done ahead (%s); pages fault in at their first touch", what, e)
+            return
+        log.info("%s: %.2f GB done in %.1f s", what, done / 2**30, time.monotonic() - t0)
+
+    thread = threading.Thread(target=run, name="kvbus-l2-prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 class Arena:
@@ -146,8 +164,8 @@ class Arena:
         """Commit the segment's memory now, ``chunk`` bytes a call (``MADV_POPULATE_WRITE``: the
         pages are allocated as a write would, their bytes unchanged, so engines may use the arena
         meanwhile). Returns the bytes done; stops early when ``stop`` is set or the arena closes.
-        Raises OSError where the kernel lacks the advice (Linux < 5.14). Run it on a thread of its
-        own after :func:`idle_priority`."""
+        Raises OSError where the kernel lacks the advice (Linux < 5.14). The store and the engines
+        run it through :func:`prefault_in_background`."""
         done, total = 0, self.layout.total_bytes
         while done < total and not (stop is not None and stop.is_set()):
             n = min(chunk, total - done)

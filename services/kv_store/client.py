@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from services.engine.tier_hooks import CacheTierHooks
-from services.kv_store.arena import Arena, idle_priority
+from services.kv_store.arena import Arena, prefault_in_background
 from services.kv_store.policies import make_write_policy
 
 log = logging.getLogger(__name__)
@@ -124,23 +124,11 @@ class HostTierClient(CacheTierHooks):
         log.info("HiCache: attached to L2 arena %s (%d slots)", name, layout.num_slots)
         self._refill()
         if self.prefault:
-            self.prefault_thread = threading.Thread(target=self._map_ahead, args=(arena,), name="kvbus-l2-map",
-                                                    daemon=True)
-            self.prefault_thread.start()
-
-    def _map_ahead(self, arena: Arena) -> None:
-        """Map every page of the arena into this process now. Each process maps the segment on its
-        own: a page the kv_store committed still faults on this side at its first touch (0.48 against
-        0.08 ms to write a page of the default model on the dev VM), on the copy thread, beside the
-        forward pass; mapping it ahead costs ~0.3 s a GB once."""
-        idle_priority()
-        t0 = time.perf_counter()
-        try:
-            done = arena.prefault(self._closing)
-        except (OSError, ValueError) as e:  # an old kernel; or the mapping closed under the call
-            log.info("HiCache: L2 pages not mapped ahead (%s); the copy thread maps them as it goes", e)
-            return
-        log.info("HiCache: mapped %.2f GB of L2 in %.1f s", done / 1024**3, time.perf_counter() - t0)
+            # Each process maps the segment on its own: a page the kv_store committed still faults on
+            # this side at its first touch (0.48 against 0.08 ms to write a page of the default model
+            # on the dev VM), on the copy thread, beside the forward pass; mapping it ahead costs
+            # ~0.3 s a GB once.
+            self.prefault_thread = prefault_in_background(arena, self._closing, "HiCache: mapping L2 into this engine")
 
     @property
     def is_attached(self) -> bool:
@@ -203,7 +191,8 @@ class HostTierClient(CacheTierHooks):
             log.exception("staging page %d for write-back failed", page_id)
             self._leased.appendleft(slot)
             return False
-        self._queue(_WRITE, (self._write_job, (self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id, staged)))
+        job = (self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id, staged)
+        self._queue(_WRITE, (self._write_job, job))
         return True
 
     def _stage_out(self, page_id: int):

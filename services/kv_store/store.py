@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from bus.errors import InvalidArgument
 from services.config import ConfigError
-from services.kv_store.arena import Arena, ArenaLayout, idle_priority
+from services.kv_store.arena import Arena, ArenaLayout, prefault_in_background
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.disk import DiskTier
 from services.kv_store.index import SlotIndex
@@ -112,22 +111,8 @@ class StoreCore:
                                  max(1, int(cfg.hicache_storage_size * GB // page_bytes)))
         log.info("kv_store: L2 arena %s, %d slots x %d B (%.2f GB)%s", self.arena.name, layout.num_slots,
                  page_bytes, layout.total_bytes / GB, f", L3 {self.disk.dir} ({len(self.disk)} pages)" if self.disk else "")
-        if cfg.hicache_prefault:
-            self.prefault_thread = threading.Thread(target=self._prefault, args=(self.arena,), name="kvbus-l2-prefault",
-                                                    daemon=True)
-            self.prefault_thread.start()
-
-    def _prefault(self, arena: Arena) -> None:
-        """Commit the arena's memory (in the background: engines use it meanwhile)."""
-        idle_priority()
-        t0 = time.monotonic()
-        log.info("kv_store: committing L2's %.2f GB of memory in the background", arena.layout.total_bytes / GB)
-        try:
-            done = arena.prefault(self._closing)
-        except (OSError, ValueError) as e:  # an old kernel; or the arena closed under the call
-            log.warning("kv_store: L2's memory was not committed ahead (%s); write-backs touch it first", e)
-            return
-        log.info("kv_store: L2 memory committed: %.2f GB in %.1f s", done / GB, time.monotonic() - t0)
+        if cfg.hicache_prefault:  # commit its memory (engines use the arena meanwhile)
+            self.prefault_thread = prefault_in_background(self.arena, self._closing, "kv_store: committing L2's memory")
 
     def detach(self, owner: str) -> None:
         with self.lock:

@@ -489,7 +489,8 @@ def test_random_loads_lands_give_ups_and_aborts_never_lose_a_page():
         op = rng.random()
         if op < 0.3:
             base = bases[rng.randrange(3)]
-            seq = make_seq(base[: rng.randrange(5, 25)] + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 6))], f"r{i}")
+            own = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 6))]
+            seq = make_seq(base[: rng.randrange(5, 25)] + own, f"r{i}")
             if bm.can_allocate(seq):
                 bm.allocate(seq, may_wait=True)
                 if seq.loading_ticket is not None:
