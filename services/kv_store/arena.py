@@ -16,10 +16,12 @@ data, and keeps the copy only if ``version`` is unchanged, even, and the hash
 and tokens are the ones it wanted. A slot evicted and refilled while being
 read is therefore detected, and the page is recomputed instead.
 
-Memory: the segment is created empty (tmpfs pages appear on first touch). The
-first write into a page of it costs a page fault per 4 KiB, ~10x the copy
-itself (1.05 against 0.09 ms a page of the default model on the dev VM), so the
-kv_store commits it up front in the background (:meth:`Arena.prefault`).
+Memory: the segment is created empty (tmpfs pages appear on first touch), and
+each process maps it on its own. A first touch costs a page fault per 4 KiB,
+which dwarfs the copy (a page of the default model on the dev VM: 0.83-1.05 ms
+to write never-touched memory, 0.48 ms memory another process committed, 0.08
+ms once committed and mapped here), so the kv_store commits it up front and
+every engine maps it ahead, in the background (:func:`prefault_in_background`).
 """
 
 from __future__ import annotations

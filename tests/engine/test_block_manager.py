@@ -321,6 +321,16 @@ def async_bm(tokens, num_pages=8):
     return bm, tier
 
 
+def with_load_in_flight(make=None, **kw):
+    """A block manager (``async_bm`` or ``late_bm``) whose tier holds the 3 full pages of a
+    14-token prompt, and that prompt's sequence admitted with its load in flight (ticket 0)."""
+    tokens = list(range(14))
+    bm, tier = (make or async_bm)(tokens, **kw)
+    s = make_seq(tokens)
+    bm.allocate(s, may_wait=True)
+    return bm, tier, s, tokens
+
+
 def test_async_load_holds_pages_until_it_lands_then_indexes_them():
     tokens = list(range(14))  # 3 cacheable pages + 1 partial
     bm, tier = async_bm(tokens)
@@ -339,10 +349,7 @@ def test_async_load_holds_pages_until_it_lands_then_indexes_them():
 
 
 def test_async_load_failing_partway_computes_from_the_first_failed_page():
-    tokens = list(range(14))
-    bm, tier = async_bm(tokens)
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    bm, tier, s, tokens = with_load_in_flight()
     pages = list(s.page_ids)
     tier.land(0, 1)  # page 1 failed verification: pages 1 and 2 are computed
     assert bm.poll_loads() == [s]
@@ -356,10 +363,7 @@ def test_async_load_failing_partway_computes_from_the_first_failed_page():
 
 
 def test_a_sequence_freed_while_loading_returns_its_pages_only_when_the_copy_lands():
-    tokens = list(range(14))
-    bm, tier = async_bm(tokens)
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    bm, tier, s, tokens = with_load_in_flight()
     held = list(s.page_ids)
     bm.free(s)  # aborted: the copy thread may still be writing into its pages
     assert s.page_ids == [] and s.loading_ticket is None
@@ -371,10 +375,7 @@ def test_a_sequence_freed_while_loading_returns_its_pages_only_when_the_copy_lan
 
 
 def test_a_sequence_freed_after_its_copy_landed_but_before_the_poll():
-    tokens = list(range(14))
-    bm, tier = async_bm(tokens)
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    bm, tier, s, tokens = with_load_in_flight()
     tier.land(0)
     bm.wait_loads(0)  # landed (indexed), not yet handed back
     bm.free(s)
@@ -398,10 +399,7 @@ def late_bm(tokens, num_pages=8):
 
 
 def test_a_late_load_is_given_up_its_pages_computed_and_freed_when_the_copy_lands():
-    tokens = list(range(14))  # 3 pages from the tier, 1 partial
-    bm, tier = late_bm(tokens)
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    bm, tier, s, tokens = with_load_in_flight(late_bm)  # 3 pages from the tier, 1 partial
     loading, last = s.page_ids[:3], s.page_ids[3]
     bm.clock.now = 1.0
     assert bm.poll_loads() == [] and s.loading_ticket == 0  # not late yet
@@ -439,10 +437,8 @@ def test_a_late_load_after_an_l1_prefix_keeps_the_prefix():
 
 
 def test_a_late_load_waits_for_room_and_a_copy_that_lands_then_is_used():
-    tokens = list(range(14))
-    bm, tier = late_bm(tokens, num_pages=4)  # the sequence holds the whole pool: no room for fresh pages
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    # the sequence holds the whole pool: no room for fresh pages
+    bm, tier, s, tokens = with_load_in_flight(late_bm, num_pages=4)
     bm.clock.now = 5.0
     assert bm.poll_loads() == [] and s.loading_ticket == 0 and bm.num_load_timeouts == 0
     tier.land(0)
@@ -453,10 +449,7 @@ def test_a_late_load_waits_for_room_and_a_copy_that_lands_then_is_used():
 
 
 def test_a_sequence_freed_after_its_load_was_given_up():
-    tokens = list(range(14))
-    bm, tier = late_bm(tokens)
-    s = make_seq(tokens)
-    bm.allocate(s, may_wait=True)
+    bm, tier, s, tokens = with_load_in_flight(late_bm)
     bm.clock.now = 2.0
     assert bm.poll_loads() == [s]
     bm.free(s)  # aborted before it ran: its fresh pages go back now, the loading ones when the copy lands
