@@ -2,6 +2,7 @@
 
     python -m bench.hicache_bench                 # full run: 8 users x 6 rounds (~4 min on 2 cores)
     python -m bench.hicache_bench --quick         # 3 users x 3 rounds, tiny turns (< 1 min): a check only
+    python -m bench.hicache_bench --concurrent 3  # 3 conversations in flight at once (~4 min)
 
 Workload: every user resends its whole history each round (previous prompt + answer + a new
 message of --turn-tokens random tokens); users take turns (u0 r0, u1 r0, ..., u0 r1, ...). L1 is
@@ -27,6 +28,15 @@ Rows:
   load-back vs prefill       seconds per token loaded back vs per token prefilled (goal >= 20x cheaper)
   decode step, write-back    mean decode step with write_through copies running vs no tier (goal <= 1.05x)
   1P1D bytes per turn        measured by python -m bench.disagg_turns_bench
+
+--concurrent C: several agents at once. The same turns in the same order, but C of them in flight:
+the next is added as soon as one finishes. L1 holds about C + 1 users' final KV (the C running and
+one more). Loads of 8 pages or more now go to the copy thread while the other turns step, and
+write-backs run beside batched forwards. Turns cannot be interleaved across engines here, so L1 only
+and L1+L2 run one after the other, A B B A, each run on a fresh engine (and store). Rows: TTFT p50 of
+rounds >= 2 per mode (a turn that arrives while others prefill waits for their step: TTFT counts
+the batching too), the wall time of each run and their ratio, hit rates, the copy thread's loads.
+Both modes must generate the same tokens in every run, or the bench fails.
 """
 
 from __future__ import annotations
@@ -77,17 +87,23 @@ def turn_flops(cfg, prompt_tokens: int, cached_tokens: int) -> float:
     return 2 * n * per_layer * cfg.num_layers + 4 * pairs * cfg.num_heads * d * cfg.num_layers + 2 * h * cfg.vocab_size
 
 
+def messages(vocab: int, users: int, rounds: int, turn: int, seed: int = 0) -> list[list[list[int]]]:
+    """``[round][user]``: each turn's new message, random tokens drawn in turn order."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(100, vocab - 100) for _ in range(turn)] for _ in range(users)] for _ in range(rounds)]
+
+
 def agent_workload(engines: dict, users: int, rounds: int, turn: int, max_tokens: int, seed: int = 0) -> dict:
     """Every turn on every engine, in a rotating order; rows per engine name."""
-    rng = random.Random(seed)
     vocab = next(iter(engines.values())).model_config.vocab_size
+    new = messages(vocab, users, rounds, turn, seed)
     names = list(engines)
     history = {name: [[] for _ in range(users)] for name in names}
     rows = {name: [] for name in names}  # (round, ttft, prompt tokens, cached tokens, of which from the host tier)
     k = 0
     for r in range(rounds):
         for u in range(users):
-            message = [rng.randrange(100, vocab - 100) for _ in range(turn)]
+            message = new[r][u]
             for name in names[k % len(names):] + names[: k % len(names)]:
                 h = history[name][u]
                 h += message
@@ -96,6 +112,91 @@ def agent_workload(engines: dict, users: int, rounds: int, turn: int, max_tokens
                 h += out
             k += 1
     return rows
+
+
+def concurrent_workload(engine, new: list[list[list[int]]], concurrency: int, max_tokens: int):
+    """The turns in the same order (u0 r0, u1 r0, ..., u0 r1, ...) on one engine, ``concurrency``
+    of them in flight: the next is added as soon as one finishes (its user's turn before it has
+    finished, as concurrency <= users). Returns the rows (round, ttft, prompt tokens, cached
+    tokens, of which from the host tier), the wall seconds and every user's final history."""
+    rounds, users = len(new), len(new[0])
+    assert 1 <= concurrency <= users
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    history: list[list[int]] = [[] for _ in range(users)]
+    order = [(u, r) for r in range(rounds) for u in range(users)]
+    in_flight: dict[str, dict] = {}
+    rows, i = [], 0
+    t_start = time.perf_counter()
+    while i < len(order) or in_flight:
+        while len(in_flight) < concurrency and i < len(order):
+            u, r = order[i]
+            i += 1
+            prompt = history[u] + new[r][u]
+            in_flight[f"u{u}r{r}"] = dict(u=u, r=r, prompt=prompt, t0=time.perf_counter(), ttft=None, out=[])
+            engine.add_request(f"u{u}r{r}", prompt, params)
+        for o in engine.step():
+            turn = in_flight[o.request_id]
+            if turn["ttft"] is None and o.new_token_ids:
+                turn["ttft"] = time.perf_counter() - turn["t0"]
+            turn["out"] += o.new_token_ids
+            if o.finished:
+                history[turn["u"]] = turn["prompt"] + turn["out"]
+                rows.append((turn["r"], turn["ttft"], len(turn["prompt"]),
+                             o.usage.cached_tokens_device + o.usage.cached_tokens_host, o.usage.cached_tokens_host))
+                del in_flight[o.request_id]
+    return rows, time.perf_counter() - t_start, history
+
+
+def run_concurrent(args, model: str, page_bytes: int) -> None:
+    """``--concurrent C``: L1 only and L1+L2 one after the other (a fresh engine and store each
+    run), twice in the order A B B A, C conversations in flight at once."""
+    from services.engine.model_config import ModelConfig
+    from services.kv_store.client import HostTierClient
+    from services.kv_store.config import KVStoreConfig
+    from services.kv_store.links import LocalLink
+    from services.kv_store.store import StoreCore
+
+    c = args.concurrent
+    final_len = args.rounds * (args.turn_tokens + args.max_tokens)
+    l1_gb = (1 + c) * (final_len // 16 + 2) * page_bytes / 1024**3  # the C running plus one user's KV
+    print(machine())
+    print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, {c} turns in flight, "
+          f"L1 {l1_gb * 1024:.1f} MB")
+    new = messages(ModelConfig.from_dir(model).vocab_size, args.users, args.rounds, args.turn_tokens)
+    rows = {"l1": [], "l1+l2": []}
+    walls = {"l1": [], "l1+l2": []}
+    finals, loads = {}, []
+    for mode in ("l1", "l1+l2", "l1+l2", "l1"):
+        core = client = None
+        if mode == "l1+l2":
+            core = StoreCore(KVStoreConfig(hicache_size=l1_gb * args.users, memory_reserve=0.5))
+            client = HostTierClient(LocalLink(core), owner="bench")
+        engine = make_engine(model, l1_gb, client)
+        for thread in ([core.prefault_thread, client.prefault_thread] if core else []):
+            if thread is not None:
+                thread.join()
+        got, wall, history = concurrent_workload(engine, new, c, args.max_tokens)
+        if mode == "l1+l2":
+            bm = engine.block_manager
+            loads.append((bm.num_async_loads, bm.num_load_timeouts, client.stats["written_sync"],
+                          client.stats["written_back"]))
+            core.close()
+        rows[mode] += got
+        walls[mode].append(wall)
+        assert finals.setdefault(mode, history) == history, f"{mode}: two runs of the same workload differ"
+        del engine
+    assert finals["l1"] == finals["l1+l2"], "L1 only and L1+L2 generated different tokens"
+    later = {m: [r for r in rs if r[0] >= 1] for m, rs in rows.items()}
+    p50 = {m: percentile([r[1] for r in rs], 50) for m, rs in later.items()}
+    print(table([[m, f"{p50[m] * 1e3:.1f}", " / ".join(f"{w:.1f}" for w in walls[m]),
+                  f"{sum(r[3] - r[4] for r in later[m]) / sum(r[2] for r in later[m]):.0%}",
+                  f"{sum(r[4] for r in later[m]) / sum(r[2] for r in later[m]):.0%}"] for m in rows],
+                ["mode", "TTFT p50 rounds>=2 (ms)", "wall s (runs)", "prompt tokens hit in L1", "hit in L2"]))
+    print(f"TTFT p50 ratio L1+L2 / L1 only: {p50['l1+l2'] / p50['l1']:.3f}; "
+          f"wall ratio: {sum(walls['l1+l2']) / sum(walls['l1']):.3f}")
+    print("L1+L2 runs: " + "; ".join(f"{a} loads on the copy thread ({t} given up), {s} of {w} write-backs on the "
+                                     f"engine thread (the pool ran dry)" for a, t, s, w in loads))
+    print("every turn generated the same tokens in both modes and both runs")
 
 
 def main() -> None:
@@ -108,9 +209,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare-prefault", action="store_true",
                     help='add a mode "l1+l2 lazy": L1+L2 with its arena neither committed nor mapped ahead')
+    ap.add_argument("--concurrent", type=int, default=0, metavar="C",
+                    help="instead: C turns in flight at once, L1 only and L1+L2 run one after the other (A B B A)")
     args = ap.parse_args()
     if args.quick:
         args.users, args.rounds, args.turn_tokens, args.max_tokens = 3, 3, 48, 4
+    if not 0 <= args.concurrent <= args.users:
+        ap.error(f"--concurrent must be between 1 and --users ({args.users})")
     from services.engine.kv_pool import kv_bytes_per_page
     from services.engine.model_config import ModelConfig
     from services.kv_store.client import HostTierClient
@@ -121,6 +226,9 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     page_bytes = kv_bytes_per_page(ModelConfig.from_dir(model), 16, torch.float32)
+    if args.concurrent:
+        run_concurrent(args, model, page_bytes)
+        return
     final_len = args.rounds * (args.turn_tokens + args.max_tokens)
     l1_gb = 2 * (final_len // 16 + 2) * page_bytes / 1024**3  # about two users' final KV
     print(machine())
