@@ -62,6 +62,32 @@ def make_engine(model, kv_gb: float, hooks=None, prefix: bool = True, max_runnin
     return LLMEngine(cfg, tier_hooks=hooks)
 
 
+def l1_size(args, page_bytes: int, users_worth: int) -> float:
+    """GB of L1 holding about ``users_worth`` users' final KV."""
+    final_len = args.rounds * (args.turn_tokens + args.max_tokens)
+    return users_worth * (final_len // 16 + 2) * page_bytes / 1024**3
+
+
+def make_tier(size_gb: float, owner: str, *, prefault: bool = True, write_policy: str = "write_back"):
+    """An in-process kv_store core (the real shared-memory arena) and an engine's client for it."""
+    from services.kv_store.client import HostTierClient
+    from services.kv_store.config import KVStoreConfig
+    from services.kv_store.links import LocalLink
+    from services.kv_store.store import StoreCore
+
+    core = StoreCore(KVStoreConfig(hicache_size=max(size_gb, 0.01), memory_reserve=0.5, hicache_prefault=prefault))
+    return core, HostTierClient(LocalLink(core), owner=owner, write_policy=write_policy, prefault=prefault)
+
+
+def wait_prefaulted(*tiers) -> None:
+    """Join the tiers' prefault threads (started when an engine binds its client): the workload
+    starts once L2 is committed and mapped, as a long-running one is, and nothing is timed beside them."""
+    for core, client in tiers:
+        for thread in (core.prefault_thread, client.prefault_thread):
+            if thread is not None:
+                thread.join()
+
+
 def ttft(engine, prompt: list[int], max_tokens: int, rid: str) -> tuple[float, list[int], int]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -147,34 +173,23 @@ def concurrent_workload(engine, new: list[list[list[int]]], concurrency: int, ma
     return rows, time.perf_counter() - t_start, history
 
 
-def run_concurrent(args, model: str, page_bytes: int) -> None:
+def run_concurrent(args, model: str, vocab: int, page_bytes: int) -> None:
     """``--concurrent C``: L1 only and L1+L2 one after the other (a fresh engine and store each
     run), twice in the order A B B A, C conversations in flight at once."""
-    from services.engine.model_config import ModelConfig
-    from services.kv_store.client import HostTierClient
-    from services.kv_store.config import KVStoreConfig
-    from services.kv_store.links import LocalLink
-    from services.kv_store.store import StoreCore
-
     c = args.concurrent
-    final_len = args.rounds * (args.turn_tokens + args.max_tokens)
-    l1_gb = (1 + c) * (final_len // 16 + 2) * page_bytes / 1024**3  # the C running plus one user's KV
+    l1_gb = l1_size(args, page_bytes, 1 + c)  # the C running plus one user's KV
     print(machine())
     print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, {c} turns in flight, "
           f"L1 {l1_gb * 1024:.1f} MB")
-    new = messages(ModelConfig.from_dir(model).vocab_size, args.users, args.rounds, args.turn_tokens)
+    new = messages(vocab, args.users, args.rounds, args.turn_tokens)
     rows = {"l1": [], "l1+l2": []}
     walls = {"l1": [], "l1+l2": []}
     finals, loads = {}, []
     for mode in ("l1", "l1+l2", "l1+l2", "l1"):
-        core = client = None
-        if mode == "l1+l2":
-            core = StoreCore(KVStoreConfig(hicache_size=l1_gb * args.users, memory_reserve=0.5))
-            client = HostTierClient(LocalLink(core), owner="bench")
+        core, client = make_tier(l1_gb * args.users, "bench") if mode == "l1+l2" else (None, None)
         engine = make_engine(model, l1_gb, client)
-        for thread in ([core.prefault_thread, client.prefault_thread] if core else []):
-            if thread is not None:
-                thread.join()
+        if core is not None:
+            wait_prefaulted((core, client))
         got, wall, history = concurrent_workload(engine, new, c, args.max_tokens)
         if mode == "l1+l2":
             bm = engine.block_manager
@@ -218,35 +233,27 @@ def main() -> None:
         ap.error(f"--concurrent must be between 1 and --users ({args.users})")
     from services.engine.kv_pool import kv_bytes_per_page
     from services.engine.model_config import ModelConfig
-    from services.kv_store.client import HostTierClient
-    from services.kv_store.config import KVStoreConfig
-    from services.kv_store.links import LocalLink
-    from services.kv_store.store import StoreCore
     from services.models import resolve_model
 
     model = str(resolve_model(args.model))
-    page_bytes = kv_bytes_per_page(ModelConfig.from_dir(model), 16, torch.float32)
+    mc = ModelConfig.from_dir(model)
+    page_bytes = kv_bytes_per_page(mc, 16, torch.float32)
     if args.concurrent:
-        run_concurrent(args, model, page_bytes)
+        run_concurrent(args, model, mc.vocab_size, page_bytes)
         return
-    final_len = args.rounds * (args.turn_tokens + args.max_tokens)
-    l1_gb = 2 * (final_len // 16 + 2) * page_bytes / 1024**3  # about two users' final KV
+    l1_gb = l1_size(args, page_bytes, 2)  # about two users' final KV
     print(machine())
     print(f"{args.users} users x {args.rounds} rounds, {args.turn_tokens} new tokens a turn, L1 {l1_gb * 1024:.1f} MB")
 
     tiered = ("l1+l2", "l1+l2 pages") + (("l1+l2 lazy",) if args.compare_prefault else ())
-    cores = {mode: StoreCore(KVStoreConfig(hicache_size=max(l1_gb * args.users, 0.01), memory_reserve=0.5,
-                                           hicache_prefault=mode != "l1+l2 lazy"))
-             for mode in tiered}
-    clients = {mode: HostTierClient(LocalLink(core), owner="bench", prefault=mode != "l1+l2 lazy")
-               for mode, core in cores.items()}
+    tiers = {mode: make_tier(l1_gb * args.users, "bench", prefault=mode != "l1+l2 lazy") for mode in tiered}
+    cores = {mode: core for mode, (core, _) in tiers.items()}
+    clients = {mode: client for mode, (_, client) in tiers.items()}
     # "l1+l2 pages": the path before tails (whole pages only), for the tails' own ratio;
     # "l1+l2 lazy": L2's memory neither committed nor mapped ahead (the path before prefault)
     engines = {mode: make_engine(model, l1_gb, clients.get(mode), prefix=mode != "none", tails=mode != "l1+l2 pages")
                for mode in ("none", "l1", *tiered)}
-    for thread in [c.prefault_thread for c in (*cores.values(), *clients.values())]:
-        if thread is not None:  # the workload starts once L2 is committed and mapped, as a long-running one is
-            thread.join()
+    wait_prefaulted(*tiers.values())
     all_rows = agent_workload(engines, args.users, args.rounds, args.turn_tokens, args.max_tokens)
     results = {}
     for mode, rows in all_rows.items():
@@ -305,12 +312,9 @@ def main() -> None:
 
     # Decode steps with write-back copies running (write_through: a copy for every new page) vs no
     # tier, the two engines stepping in turn.
-    core = StoreCore(KVStoreConfig(hicache_size=0.05 if args.quick else 0.5, memory_reserve=0.5))
-    client = HostTierClient(LocalLink(core), owner="bench-decode", write_policy="write_through")
+    core, client = make_tier(0.05 if args.quick else 0.5, "bench-decode", write_policy="write_through")
     engines = {"none": make_engine(model, l1_gb * 2), "write-back": make_engine(model, l1_gb * 2, client)}
-    for thread in (core.prefault_thread, client.prefault_thread):  # (not while the steps are timed)
-        if thread is not None:
-            thread.join()
+    wait_prefaulted((core, client))
     n = 8 if args.quick else 64
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     times = {mode: [] for mode in engines}

@@ -124,10 +124,8 @@ class HostTierClient(CacheTierHooks):
         log.info("HiCache: attached to L2 arena %s (%d slots)", name, layout.num_slots)
         self._refill()
         if self.prefault:
-            # Each process maps the segment on its own: a page the kv_store committed still faults on
-            # this side at its first touch (0.48 against 0.08 ms to write a page of the default model
-            # on the dev VM), on the copy thread, beside the forward pass; mapping it ahead costs
-            # ~0.3 s a GB once.
+            # a page the kv_store committed still faults on this side at its first touch, on the copy
+            # thread beside the forward pass (costs in arena.py's docstring); mapping ahead: ~0.3 s a GB
             self.prefault_thread = prefault_in_background(arena, self._closing, "HiCache: mapping L2 into this engine")
 
     @property
