@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
+from services.plugins import Registry
 
-ROLES: dict[str, str] = {
+ROLES = Registry("role", {
     "tokenizer": "services.tokenizer:TokenizerActor",
     "gateway": "services.gateway.actor:GatewayActor",
     "router": "services.router.actor:RouterActor",
@@ -13,13 +13,8 @@ ROLES: dict[str, str] = {
     "decode": "services.workers.decode:DecodeActor",
     "draft": "services.draft.actor:DraftActor",
     "kv_store": "services.kv_store.actor:KVStoreActor",
-}
+})
 
 
 def actor_class(role: str) -> type:
-    try:
-        target = ROLES[role]
-    except KeyError:
-        raise ValueError(f"unknown role {role!r}; roles: {', '.join(sorted(ROLES))}") from None
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    return ROLES.get(role)

@@ -8,28 +8,29 @@ excluded and not busy (the router filters first), once per stage: ``decode``
    state such as a KV index), set ``name`` and implement ``choose``;
    override ``num_tokens_to_prefill`` when the policy knows a worker's cached
    prefix, and ``forget`` when it keeps per-worker state;
-2. add ``"name": "module:Class"`` to :data:`POLICIES` (imported lazily).
+2. add ``"name": "module:Class"`` to :data:`POLICIES` (imported lazily), or call
+   ``POLICIES.register("name", "module:Class")`` from your own package.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 import random
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
+from services.plugins import Registry
 from services.router import scoring
 from services.router.scoring import Cost, RouteContext
 from services.router.workers import WorkerState
 
 Stage = Literal["decode", "prefill"]
 
-POLICIES: dict[str, str] = {
+POLICIES = Registry("router policy", {
     "round_robin": "services.router.policy:RoundRobinPolicy",
     "random": "services.router.policy:RandomPolicy",
     "least_loaded": "services.router.policy:LeastLoadedPolicy",
-}
+})
 
 
 class Policy(abc.ABC):
@@ -91,12 +92,7 @@ class LeastLoadedPolicy(Policy):
 
 
 def policy_class(name: str) -> type[Policy]:
-    try:
-        target = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown router policy {name!r}; policies: {', '.join(sorted(POLICIES))}") from None
-    module, attr = target.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return POLICIES.get(name)
 
 
 def make_policy(name: str, *, rng: random.Random | None = None) -> Policy:
