@@ -1,7 +1,8 @@
 """Write policies (when a device page is copied to L2) and the L3 admission filter.
 
-One registry, ``WRITE_POLICIES``; the engine's tier client asks its policy at
-three moments of a page's life in L1:
+One registry, :data:`WRITE_POLICIES` (``--hicache-write-policy`` and its check take
+their choices from it); the engine's tier client asks its policy at three moments
+of a page's life in L1:
 
 - ``write_back`` (default): when L1 evicts it. Cheapest: only pages that would
   otherwise be lost are copied, and only once.
@@ -10,11 +11,16 @@ three moments of a page's life in L1:
   that are never reused.
 - ``write_through_selective``: once it has been hit ``N`` times in L1 (hot
   prefixes such as system prompts reach L2 early), else at eviction.
+
+Adding one: subclass :class:`WriteBack` (``__init__(hits)``, the three moments and
+``forget``), then ``WRITE_POLICIES.register("name", "module:Class", doc=...)``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+
+from services.plugins import Registry
 
 
 class WriteBack:
@@ -58,14 +64,20 @@ class WriteThroughSelective(WriteBack):
         self.hits.pop(page_hash, None)
 
 
-WRITE_POLICIES: dict[str, type[WriteBack]] = {p.name: p for p in (WriteBack, WriteThrough, WriteThroughSelective)}
+WRITE_POLICIES = Registry("write policy", {
+    "write_back": "services.kv_store.policies:WriteBack",
+    "write_through": "services.kv_store.policies:WriteThrough",
+    "write_through_selective": "services.kv_store.policies:WriteThroughSelective",
+}, docs={
+    "write_back": "on L1 eviction",
+    "write_through": "as soon as a page is computed",
+    "write_through_selective": "after --hicache-selective-hits L1 hits, else on eviction",
+})
 
 
 def make_write_policy(name: str, hits: int = 2) -> WriteBack:
-    try:
-        return WRITE_POLICIES[name](hits)
-    except KeyError:
-        raise ValueError(f"unknown write policy {name!r}; policies: {', '.join(WRITE_POLICIES)}") from None
+    """The policy registered as ``name``; an unknown name is a ValueError naming the choices."""
+    return WRITE_POLICIES.get(name)(hits)
 
 
 def admit_to_l3(hits: int, min_hits: int) -> bool:

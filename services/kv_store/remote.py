@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from services.kv_store.config import KVStoreConfig
-from services.kv_store.links import BusLink
+from services.kv_store.links import BusLink, TierLink
 from services.kv_store.store import GB, StoreCore
 from services.transfer.payload import run_blocking
 
@@ -47,10 +47,9 @@ MIN_STAGING_PAGES = 64
 """Staging never has fewer slots (write-back leases up to half of them ahead of need)."""
 
 
-class RemoteLink:
-    """A kv_store on ``store_host_id``, reached over the bus; same calls as ``links.BusLink``."""
+class RemoteLink(TierLink):
+    """A kv_store on ``store_host_id``, reached over the bus; pages by value through staging."""
 
-    is_local = False
     moves_bytes = True
 
     def __init__(self, bus, store_host_id: str, host_id: str, loop: asyncio.AbstractEventLoop, *,
@@ -70,6 +69,11 @@ class RemoteLink:
         self._pushing: asyncio.Task | None = None
         self.stats = {k: 0 for k in ("pages_sent", "pages_offered", "pages_received", "bytes_sent", "bytes_received",
                                      "put_failed", "fetch_failed", "queue_dropped", "fetch_seconds")}
+
+    @classmethod
+    def for_worker(cls, config, host_id, loop):
+        return cls(None, config.hicache_store_host, host_id, loop, staging_ratio=config.hicache_staging_ratio,
+                   transfer_timeout=config.transfer_timeout)
 
     @property
     def bus(self):
