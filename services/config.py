@@ -116,8 +116,22 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             group.add_argument(flag, dest=f.name, action="append", type=str, default=argparse.SUPPRESS,
                                metavar="STR", help=help_text + " (repeatable)")
         else:
-            group.add_argument(flag, dest=f.name, type=str, default=argparse.SUPPRESS,
-                               metavar=base.__name__.upper(), choices=choices, help=help_text)
+            group.add_argument(flag, dest=f.name, type=str, default=argparse.SUPPRESS, choices=choices,
+                               metavar=None if choices else base.__name__.upper(), help=help_text)
+
+
+def check_choices(config: Any) -> None:
+    """ConfigError naming the first ``Literal`` field of ``config`` whose value is not one of its choices.
+
+    Flags are checked by argparse already; call this from ``__post_init__`` so that environment values
+    and configs built in code are checked too."""
+    hints = _hints(type(config))
+    for f in dataclasses.fields(config):
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        value = getattr(config, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"{type(config).__name__}.{f.name} must be one of "
+                              f"{', '.join(map(str, choices))}, got {value!r}")
 
 
 def build(cls: type[T], args: argparse.Namespace | dict | None = None,

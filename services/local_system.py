@@ -1,15 +1,19 @@
-"""A whole kvbus system as real processes, started through ``kvbus up`` itself (tests, benchmarks)."""
+"""A whole kvbus system as real processes, started through ``kvbus up`` itself (tests, benchmarks).
+
+It reads the addresses back from ``kvbus up``'s output through services/up/report.py, the module that
+prints them."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from services.up.report import read_announcement
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,14 +62,15 @@ class LocalSystem:
         assert self.proc and self.proc.stdout
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            if m := re.search(r"\[kvbus\] NATS: (nats://\S+)", line):
-                self.nats_url = m.group(1)
-            if m := re.search(r"HTTP \(OpenAI API\): (http://\S+)/v1", line):
-                self.http_url = m.group(1)
-            if m := re.search(r"\[kvbus\] metrics \(Prometheus\): (\S+) (http://\S+)", line):
-                self.metrics_urls[m.group(1)] = m.group(2)
-            if "[kvbus] Ctrl-C stops everything" in line:  # printed last, after every URL
-                self._ready.set()
+            match read_announcement(line):
+                case ("nats", url):
+                    self.nats_url = url
+                case ("http", url):
+                    self.http_url = url
+                case ("metrics", worker_id, url):
+                    self.metrics_urls[worker_id] = url
+                case ("serving",):  # printed last, after every URL
+                    self._ready.set()
 
     def log(self, last: int = 200) -> str:
         return "\n".join(self.lines[-last:])

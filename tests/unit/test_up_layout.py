@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from services.up import DISAGG_MIN_CORES, LEASE_BELOW_CORES_PER_ENGINE, choose_layout, core_sharing, plan, split_cores
+from services.config import ConfigError
+from services.up.config import UpConfig
+from services.up.placement import DISAGG_MIN_CORES, LEASE_BELOW_CORES_PER_ENGINE, choose_layout, core_sharing, split_cores
+from services.up.roles import Site, plan as plan_for
 
 
-def _args(**kw) -> argparse.Namespace:
-    base = dict(aggregated=False, layout="auto", prefill=None, decode=None)
-    return argparse.Namespace(**{**base, **kw})
+def _args(**kw) -> UpConfig:
+    return UpConfig(**kw)
 
 
 @pytest.mark.parametrize("cores,want", [(1, "aggregated"), (2, "aggregated"), (DISAGG_MIN_CORES - 1, "aggregated"),
@@ -60,13 +60,17 @@ def test_auto_sharing_leases_only_when_a_split_would_starve_an_engine():
         core_sharing("turns", [0, 1], ["p", "d"])
 
 
-def _plan_args(**kw) -> argparse.Namespace:
-    base = dict(tokenizers=1, hicache=False, tokenizer_only=False, layout="disaggregated", workers=1, prefill=1,
-                decode=1, speculative=None, draft_placement="local", share_cores=False, core_sharing="lease",
-                drain_timeout=30.0, kv_cache_memory=0.5, dtype="auto", num_threads=0, engine_args="",
-                kv_transfer="auto", http_host="127.0.0.1", http_port=8000, api_key_file=None, metrics_port=-1,
-                metrics_host="127.0.0.1", core_lease_file="/tmp/kvbus-cores-test.lease")
-    return argparse.Namespace(**{**base, **kw})
+def _plan_args(**kw) -> UpConfig:
+    base = dict(layout="disaggregated", prefill=1, decode=1, speculative="off", core_sharing="lease",
+                kv_cache_memory=0.5, metrics_port=-1)
+    return UpConfig(**{**base, **kw})
+
+
+def plan(config: UpConfig, nats_url: str, model_dir: str):
+    """(roles, children) for ``config``, with a lease file of a fixed name."""
+    planned = plan_for(config, Site(nats_url=nats_url, model_dir=model_dir, http_port=config.http_port,
+                                    lease_file="/tmp/kvbus-cores-test.lease"))
+    return planned.roles, planned.children
 
 
 def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
@@ -84,7 +88,7 @@ def test_plan_gives_leasing_engines_one_file_and_their_own_slots():
 
 
 def test_decode_workers_sharing_cores_prefill_short_remainders_themselves():
-    from services.up import SHARED_CORES_LOCAL_PREFILL
+    from services.up.placement import SHARED_CORES_LOCAL_PREFILL
 
     def local_tokens(**kw):
         _, children = plan(_plan_args(**kw), "nats://127.0.0.1:4222", "/models/x")
@@ -112,5 +116,7 @@ def test_speculation_defaults_to_ngram_for_greedy_requests_on_decoding_engines()
     assert argv[argv.index("--speculative-method") + 1] == "ngram" and "--speculative-greedy-only" in argv
     every = flags(speculative="ngram", layout="aggregated")["worker-0"]
     assert every[every.index("--speculative-method") + 1] == "ngram" and "--speculative-greedy-only" not in every
-    for off in ("off", None):
+    for off in ("off",):  # None, once a missing attribute of an argparse namespace, is now refused:
         assert not any("--speculative-method" in a for a in flags(speculative=off).values())
+    with pytest.raises(ConfigError, match="speculative"):
+        UpConfig(speculative=None)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 
 import pytest
 
 from services.natsd import free_port
-from services.up import metrics_ports, plan
+from services.up.config import UpConfig
+from services.up.placement import metrics_ports
+from services.up.roles import Site, plan as plan_for
 
 
 def test_consecutive_ports_from_a_free_base():
@@ -41,14 +42,16 @@ def test_zero_gives_distinct_free_ports_and_minus_one_none():
     assert metrics_ports(["w0"], -1) == {}
 
 
-def _args(**kw) -> argparse.Namespace:
-    base = dict(tokenizers=1, hicache=True, tokenizer_only=False, layout="disaggregated", workers=1, prefill=1,
-                decode=1, speculative=None, draft_placement="local", share_cores=True, drain_timeout=30.0,
-                kv_cache_memory=0.5, dtype="auto", num_threads=0, engine_args="", kv_transfer="auto",
-                hicache_write_policy="write_back", hicache_ratio=2.0, hicache_l3_admit_hits=1, hicache_size=None,
-                hicache_storage_dir=None, hicache_prefault=True, http_host="127.0.0.1", http_port=8000, api_key_file=None,
-                metrics_port=0, metrics_host="127.0.0.1", draft_model=None, num_speculative_tokens=4)
-    return argparse.Namespace(**{**base, **kw})
+def _args(**kw) -> UpConfig:
+    base = dict(hicache=True, layout="disaggregated", prefill=1, decode=1, speculative="off", share_cores=True,
+                kv_cache_memory=0.5, metrics_port=0)
+    return UpConfig(**{**base, **kw})
+
+
+def plan(config: UpConfig, nats_url: str, model_dir: str):
+    """(roles, children) for ``config``."""
+    planned = plan_for(config, Site(nats_url=nats_url, model_dir=model_dir, http_port=config.http_port))
+    return planned.roles, planned.children
 
 
 def test_plan_gives_the_store_and_every_engine_a_metrics_port():

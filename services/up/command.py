@@ -1,0 +1,155 @@
+"""The flow of ``kvbus up``: prepare the model, start nats-server, plan and start the services, wait
+until they serve, supervise until Ctrl-C, stop everything in order.
+
+Each step's job lives in its own module: the configuration (config.py), the processes and their flags
+(roles.py), the cores and ports (placement.py), starting and restarting (supervisor.py), readiness
+(readiness.py) and what is printed (report.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+
+from bus.nats_transport import BusConfig
+from services import config as cfg
+from services.natsd import free_port, port_is_taken
+from services.up.config import UpConfig, parse
+from services.up.placement import make_lease_file
+from services.up.readiness import first_request, wait_ready
+from services.up.report import SERVING, say, say_nats, say_placement, say_ready
+from services.up.roles import ENGINE_ROLES, Plan, Site, plan
+from services.up.supervisor import Child, Supervisor
+
+STOP_POLL_S = 0.5
+"""How often a ready ``kvbus up`` looks for dead children to restart."""
+
+
+async def start_nats(config: UpConfig, supervisor: Supervisor) -> tuple[str, Child | None]:
+    """The NATS URL to use, and the nats-server child started for it (None: one was given)."""
+    nats_url = config.nats_url or os.environ.get("NATS_URL")
+    if nats_url:
+        return nats_url, None
+    server = shutil.which("nats-server")
+    if server is None:
+        raise RuntimeError("nats-server is not on PATH: install it with `apt-get install -y nats-server` "
+                           "or pass --nats-url to use a running server")
+    port = config.nats_port or free_port()
+    if port_is_taken(port):
+        raise RuntimeError(f"port {port} is taken; pass --nats-port 0 for a free one or --nats-url to use "
+                           "the server there")
+    child = Child("nats-server", [server, "-a", "127.0.0.1", "-p", str(port)])
+    await supervisor.start(child)
+    for _ in range(100):
+        if port_is_taken(port):
+            break
+        await asyncio.sleep(0.05)
+    return f"nats://127.0.0.1:{port}", child
+
+
+def http_port(config: UpConfig) -> int:
+    """The gateway's port: the configured one if free, or a free one for 0."""
+    if config.http_port == 0:
+        return free_port()
+    if port_is_taken(config.http_port) and not config.tokenizer_only:
+        raise RuntimeError(f"HTTP port {config.http_port} is taken; pass --http-port 0 for a free one")
+    return config.http_port
+
+
+async def start_services(config: UpConfig, site: Site, supervisor: Supervisor) -> Plan:
+    planned = plan(config, site)
+    num_engines = sum(len(planned.roles.get(role, [])) for role in ENGINE_ROLES)
+    say_placement(planned.layout, planned.layout_why, planned.core_sharing, num_engines,
+                  None if config.tokenizer_only else config.speculation())
+    for child in planned.children:
+        if child.cpus:
+            say(f"{child.name}: cores {','.join(map(str, sorted(child.cpus)))}")
+        await supervisor.start(child)
+    return planned
+
+
+async def ready_unless_stopped(bus, planned: Plan, supervisor: Supervisor, timeout: float,
+                               stop: asyncio.Event) -> bool:
+    """Wait until every service is ready (True), or until ``stop`` is set first (False)."""
+    waiter = asyncio.create_task(wait_ready(bus, planned.roles, supervisor, timeout))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        waiter.cancel()
+        return False
+    stopper.cancel()
+    waiter.result()
+    return True
+
+
+async def supervise_until(stop: asyncio.Event, supervisor: Supervisor) -> None:
+    while not stop.is_set():
+        await supervisor.supervise()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), STOP_POLL_S)
+
+
+async def up(config: UpConfig) -> int:
+    from bus.nats_transport import connect
+    from services.models import ModelError, resolve_model
+
+    supervisor = Supervisor(quiet=config.quiet, stop_timeout=config.drain_timeout + 10.0)
+    lease_file: str | None = None
+    nats_child: Child | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    try:
+        model_dir = await asyncio.to_thread(resolve_model, config.model)
+    except ModelError as exc:
+        say(f"error: {exc}")
+        return 1
+    say(f"model: {model_dir}")
+
+    try:
+        nats_url, nats_child = await start_nats(config, supervisor)
+        say_nats(nats_url)
+        port = http_port(config)
+        lease_file = make_lease_file()
+        site = Site(nats_url=nats_url, model_dir=str(model_dir), http_port=port, lease_file=lease_file)
+        planned = await start_services(config, site, supervisor)
+
+        bus = await connect(cfg.build(BusConfig, {"nats_url": nats_url}))  # KVBUS_NATS_* auth/TLS, as the services
+        try:
+            t0 = time.monotonic()
+            if not await ready_unless_stopped(bus, planned, supervisor, config.ready_timeout, stop):
+                say("interrupted during start-up")
+                return 130
+            served = await first_request(bus, planned.roles)
+            say_ready(elapsed_s=time.monotonic() - t0, roles=planned.roles, served=served, nats_url=nats_url,
+                      http_host=config.http_host, http_port=port, metrics_host=config.metrics_host,
+                      metrics_ports={c.name: c.metrics_port for c in planned.children if c.metrics_port is not None})
+            if config.exit_after_ready:
+                return 0
+            say(SERVING)
+            await supervise_until(stop, supervisor)
+            return 0
+        finally:
+            await bus.close()
+    except RuntimeError as exc:
+        say(f"error: {exc}")
+        return 1
+    finally:
+        say("stopping services" + (", then nats-server" if nats_child else ""))
+        await supervisor.stop_all(last=nats_child)
+        if lease_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lease_file)
+        say("stopped")
+
+
+def up_main(argv: list[str]) -> int:
+    from services import up as package
+
+    return asyncio.run(up(parse(argv, description=package.__doc__)))
