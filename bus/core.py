@@ -3,7 +3,8 @@
 One implementation over a tiny raw transport (:mod:`bus.transport`: publish,
 subscribe, inbox), so the NATS bus (:mod:`bus.nats_transport`) and the
 in-memory bus (:mod:`bus.memory`) behave the same down to headers and error
-codes. The caller's side of a streamed reply is :mod:`bus.stream`.
+codes. The caller's side of a streamed reply is :mod:`bus.stream`; the serving side
+(handler tasks, streamed replies, probes, deadlines, cancels) is :mod:`bus.serving`.
 
 Wire protocol, in headers:
 - ``Content-Type``: ``application/json`` or ``application/msgpack``.
@@ -31,17 +32,15 @@ Wire protocol, in headers:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bus import tracing
 from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
-from bus.errors import BusError, Internal, NoResponders, PayloadTooLarge, Timeout, Unavailable
+from bus.errors import PayloadTooLarge, Timeout, Unavailable
+from bus.serving import PROBE_TIMEOUT, RequestContext, Serving, Subscription
 from bus.stream import ReplyStream, StreamBroken
 from bus.subjects import CANCEL, Subject
 from bus.transport import (
@@ -65,52 +64,11 @@ from schemas.common import CancelEvent
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 0.5
-"""Seconds a probe waits for its answer; silence means alive (a client that ignores probes)."""
-
-__all__ = [  # the transport's and the stream's names stay importable from here
-    "NO_RESPONDERS", "REQUEST_ID_HEADER", "SEQ_HEADER", "STATUS_HEADER", "STREAM_HEADER", "TIMEOUT_HEADER",
-    "Bus", "RawHandler", "RawMsg", "RawSubscription", "ReplyStream", "RequestContext", "StreamBroken",
-    "Subscription", "Transport",
+__all__ = [  # the transport's, the stream's and the serving side's names stay importable from here
+    "NO_RESPONDERS", "PROBE_TIMEOUT", "REQUEST_ID_HEADER", "SEQ_HEADER", "STATUS_HEADER", "STREAM_HEADER",
+    "TIMEOUT_HEADER", "Bus", "RawHandler", "RawMsg", "RawSubscription", "ReplyStream", "RequestContext",
+    "StreamBroken", "Subscription", "Transport",
 ]
-
-
-@dataclasses.dataclass(slots=True)
-class RequestContext:
-    """What a handler may want to know beyond the request body."""
-
-    request_id: str
-    subject: str
-    headers: dict[str, str]
-    received_at: float
-    deadline: float | None = None
-    """time.monotonic() past which the caller no longer waits (from ``Kvbus-Timeout``); None: unbounded."""
-
-    @property
-    def time_left(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-
-class Subscription:
-    """A bound subject; ``unsubscribe`` stops deliveries (in-flight handlers go on)."""
-
-    def __init__(self, raw: RawSubscription, subject: str):
-        self._raw = raw
-        self.subject = subject
-        self.is_active = True
-
-    async def unsubscribe(self) -> None:
-        if self.is_active:
-            self.is_active = False
-            await self._raw.unsubscribe()
-
-
-def _wants_context(handler: Callable) -> bool:
-    params = [
-        p for p in inspect.signature(handler).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    return len(params) >= 2
 
 
 class Bus:
@@ -123,28 +81,26 @@ class Bus:
     """
 
     def __init__(self, transport: Transport, *, default_timeout: float = 10.0, probe_interval: float = 1.0):
-        if not probe_interval >= 0:
-            raise ValueError(f"probe_interval must be >= 0 (0: never probe), got {probe_interval}")
         self.transport = transport
         self.default_timeout = default_timeout
-        self.probe_interval = probe_interval
-        """Seconds between interest probes of each streamed reply's caller (0: never probe)."""
+        self.serving = Serving(self, probe_interval)
+        """The serving side: handler tasks, streamed replies, probes, deadlines, cancels (bus/serving.py)."""
         self._reply_prefix: str | None = None
         self._reply_sub: RawSubscription | None = None
         self._reply_lock = asyncio.Lock()
         self._pending: dict[str, asyncio.Future | asyncio.Queue] = {}
         self._subscriptions: list[Subscription] = []
-        self._inflight: set[asyncio.Task] = set()
-        self._tasks_by_request: dict[str, set[asyncio.Task]] = {}
-        self._cancelled: set[asyncio.Task] = set()
-        """Handler tasks cancelled by their caller (a CancelEvent), not by a shutdown."""
-        self._expired: set[asyncio.Task] = set()
-        """Handler tasks cancelled because their caller's deadline (``Kvbus-Timeout``) passed."""
-        self._abandoned: set[asyncio.Task] = set()
-        """Streamed handler tasks cancelled because a probe found their caller gone (also in ``_cancelled``)."""
-        self._cancel_sub: Subscription | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
+
+    @property
+    def probe_interval(self) -> float:
+        """Seconds between interest probes of each streamed reply's caller (0: never probe)."""
+        return self.serving.probe_interval
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     # --- calling ----------------------------------------------------------------------
     async def request(self, subject: Subject, message: Any, *, timeout: float | None = None,
@@ -213,23 +169,7 @@ class Bus:
         so a slow handler never holds up the subscription. ``queue=True`` uses
         the subject's queue group, ``None``/``False`` none, a string that group.
         """
-        if subject.reply is None:
-            raise TypeError(f"{subject.template} is an event subject: use Bus.subscribe()")
-        name = subject.format(**params) if params or subject.fields else subject.template
-        group = subject.queue if queue is True else (queue or None)
-        wants_ctx = _wants_context(handler)
-        slots = asyncio.Semaphore(max_concurrency)
-        await self._listen_for_cancels()
-
-        async def on_message(raw: RawMsg) -> None:
-            await slots.acquire()
-            task = asyncio.create_task(self._handle(subject, handler, wants_ctx, raw))
-            self._inflight.add(task)
-            task.add_done_callback(lambda t: (self._inflight.discard(t), slots.release()))
-
-        sub = Subscription(await self.transport.subscribe(name, on_message, group), name)
-        self._subscriptions.append(sub)
-        return sub
+        return await self.serving.serve(subject, handler, queue=queue, max_concurrency=max_concurrency, **params)
 
     async def subscribe(self, subject: Subject, handler: Callable[[Any], Awaitable[None]], *,
                         queue: str | None = None, **params: str) -> Subscription:
@@ -248,6 +188,9 @@ class Bus:
             except Exception:
                 log.exception("event handler for %s failed", raw.subject)
 
+        return await self._bind(name, on_message, queue)
+
+    async def _bind(self, name: str, on_message: RawHandler, queue: str | None) -> Subscription:
         sub = Subscription(await self.transport.subscribe(name, on_message, queue), name)
         self._subscriptions.append(sub)
         return sub
@@ -263,14 +206,14 @@ class Bus:
 
     @property
     def num_inflight(self) -> int:
-        return len(self._inflight)
+        return len(self.serving.inflight)
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking messages, let in-flight handlers finish, then close."""
         for sub in self._subscriptions:
             await sub.unsubscribe()
-        if self._inflight:
-            done, pending = await asyncio.wait(set(self._inflight), timeout=timeout)
+        if self.serving.inflight:
+            done, pending = await asyncio.wait(set(self.serving.inflight), timeout=timeout)
             for task in pending:
                 task.cancel()  # each answers its caller "unavailable" before the connection closes
             if pending:
@@ -342,15 +285,6 @@ class Bus:
 
     _raise_for_reply = staticmethod(raise_for_reply)
 
-    async def _listen_for_cancels(self) -> None:
-        if self._cancel_sub is None:
-            async def on_cancel(event: CancelEvent) -> None:
-                for task in list(self._tasks_by_request.get(event.request_id, ())):
-                    self._cancelled.add(task)
-                    task.cancel()
-
-            self._cancel_sub = await self.subscribe(CANCEL, on_cancel)
-
     def _send_cancel(self, request_id: str) -> None:
         """Tell servers to drop ``request_id`` (best effort, never blocks the caller)."""
         if self._closed:
@@ -365,146 +299,3 @@ class Bus:
         task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _reply(self, raw: RawMsg, data: bytes, headers: dict[str, str]) -> None:
-        if raw.reply:
-            await self.transport.publish(raw.reply, data, headers)
-
-    async def _handle(self, subject: Subject, handler: Callable, wants_ctx: bool, raw: RawMsg) -> None:
-        in_headers = raw.headers or {}
-        request_id = in_headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        base = {REQUEST_ID_HEADER: request_id}
-        expiry: asyncio.TimerHandle | None = None
-        with tracing.server_span(subject.template, in_headers, **{"kvbus.request_id": request_id}) as span:
-            try:
-                enc = Encoding.from_header(in_headers.get(CONTENT_TYPE_HEADER), subject.encoding)
-                base[CONTENT_TYPE_HEADER] = enc.value
-                message = decode(raw.data, subject.request, enc, raw.subject)
-                received_at = time.monotonic()
-                deadline = _deadline(in_headers, received_at)
-                if deadline is not None:
-                    expiry = self._expire_at(deadline, asyncio.current_task())
-                args = (message, RequestContext(request_id, raw.subject, in_headers, received_at, deadline)) \
-                    if wants_ctx else (message,)
-                self._tasks_by_request.setdefault(request_id, set()).add(asyncio.current_task())
-                if subject.streamed:
-                    await self._handle_stream(handler, args, raw, enc, base)
-                else:
-                    reply = await handler(*args)
-                    await self._reply(raw, encode(reply, enc), base)
-            except asyncio.CancelledError:
-                # The caller gave up (CancelEvent): nobody is listening. Otherwise the service is
-                # shutting down: say so, so the caller retries elsewhere instead of timing out.
-                span.set_attribute("kvbus.cancelled", True)
-                task = asyncio.current_task()
-                if task in self._expired:  # our own deadline timer: answer, and end normally
-                    task.uncancel()
-                    error = Timeout(f"{subject.template}: the caller's deadline passed (request id {request_id})")
-                    tracing.mark_error(span, error.code.value, error.message)
-                    await self._reply(raw, b"", {**base, **error.to_headers()})
-                elif task not in self._cancelled:
-                    if not self._closed:
-                        error = Unavailable(f"{subject.template} is shutting down (request id {request_id})")
-                        await asyncio.shield(self._reply(raw, b"", {**base, **error.to_headers()}))
-                    raise
-                elif task in self._abandoned:
-                    # Nobody should hear this; but a caller whose connection was only re-establishing
-                    # (a NATS reconnect) learns at once that its stream ended, instead of stalling.
-                    task.uncancel()
-                    error = Unavailable(f"{subject.template}: stream cancelled, its caller looked gone "
-                                        f"(request id {request_id})")
-                    try:
-                        await self._reply(raw, b"", {**base, **error.to_headers()})
-                    except Exception:  # our own connection going too: there was nobody to tell
-                        log.debug("could not send the last word of %s", request_id, exc_info=True)
-            except BusError as exc:
-                tracing.mark_error(span, exc.code.value, exc.message)
-                await self._reply(raw, b"", {**base, **exc.to_headers()})
-            except Exception:
-                log.exception("handler for %s failed (request id %s)", raw.subject, request_id)
-                error = Internal(f"internal error handling {subject.template} (request id {request_id})")
-                tracing.mark_error(span, error.code.value, error.message)
-                await self._reply(raw, b"", {**base, **error.to_headers()})
-            finally:
-                if expiry is not None:
-                    expiry.cancel()
-                task = asyncio.current_task()
-                tasks = self._tasks_by_request.get(request_id)
-                if tasks is not None:
-                    tasks.discard(task)
-                    if not tasks:
-                        del self._tasks_by_request[request_id]
-                self._cancelled.discard(task)
-                self._expired.discard(task)
-                self._abandoned.discard(task)
-
-    def _expire_at(self, deadline: float, task: asyncio.Task) -> asyncio.TimerHandle:
-        """Cancel ``task`` at ``deadline`` (time.monotonic(), which is the event loop's clock too)."""
-        def expire() -> None:
-            if not task.done():
-                self._expired.add(task)
-                task.cancel()
-
-        return asyncio.get_running_loop().call_at(deadline, expire)
-
-    async def _handle_stream(self, handler: Callable, args: tuple, raw: RawMsg, enc: Encoding,
-                             base: dict[str, str]) -> None:
-        seq = 0
-        agen = handler(*args)
-        probe = None
-        if raw.reply and self.probe_interval > 0:
-            probe = asyncio.create_task(self._probe_caller(raw.reply, base[REQUEST_ID_HEADER],
-                                                           asyncio.current_task()))
-            self._background.add(probe)
-            probe.add_done_callback(self._background.discard)
-        try:
-            async for chunk in agen:
-                await self._reply(raw, encode(chunk, enc), {**base, STREAM_HEADER: "chunk", SEQ_HEADER: str(seq)})
-                seq += 1
-        finally:
-            if probe is not None:
-                probe.cancel()  # before the end message: a finished stream is never probed
-            await agen.aclose()
-        await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
-
-    async def _probe_caller(self, reply: str, request_id: str, task: asyncio.Task) -> None:
-        """Cancel ``task``, a streamed reply's handler, once its caller is gone (runs beside it, never delays a chunk).
-
-        Gone: nobody subscribes to ``reply`` (the caller's connection closed), or the caller answers
-        ``gone`` (it dropped the stream without closing it). A timeout, any other answer or a
-        failure of our own connection count as alive: a client that ignores probes is never cancelled.
-        """
-        headers = {REQUEST_ID_HEADER: request_id, STREAM_HEADER: PROBE}
-        while True:
-            await asyncio.sleep(self.probe_interval)
-            try:
-                answer = await self.transport.request(reply, b"", headers, PROBE_TIMEOUT)
-            except NoResponders:
-                why = "nobody subscribes to its reply subject"
-            except Exception:
-                continue
-            else:
-                if header(answer, STREAM_HEADER) != PROBE_GONE:
-                    continue
-                why = "it answered that it no longer reads the stream"
-            if task.done():
-                return
-            log.info("cancelling stream %s: its caller is gone (%s)", request_id, why)
-            self._abandoned.add(task)
-            self._cancelled.add(task)
-            task.cancel()
-            return
-
-
-def _deadline(headers: dict[str, str], received_at: float) -> float | None:
-    """The caller's deadline on our clock, from ``Kvbus-Timeout`` (ignored when malformed)."""
-    value = headers.get(TIMEOUT_HEADER)
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    if seconds != seconds or seconds < 0 or seconds == float("inf"):
-        return None
-    return received_at + seconds

@@ -54,7 +54,7 @@ async def test_a_caller_whose_connection_closed_is_cancelled(buses, caplog):
     assert took < INTERVAL + PROBE_TIMEOUT + 10, took
     gone = [r for r in caplog.records if "caller is gone" in r.getMessage()]
     assert len(gone) == 1 and gone[0].levelno == logging.INFO and stream.request_id in gone[0].getMessage()
-    assert not server._tasks_by_request and not server._abandoned and not server._cancelled
+    assert server.serving.is_idle  # no task, and no reason a task ended, is remembered
 
 
 async def test_a_stream_dropped_without_aclose_is_cancelled_by_the_gone_answer(buses):
@@ -92,7 +92,7 @@ async def test_a_live_caller_that_reads_slowly_is_not_cancelled_and_sees_no_prob
     assert handler.is_finished and not handler.is_cancelled
     assert len(probes.outcomes) >= 8 and "alive" in probes.outcomes, probes.outcomes
     assert not CALLER_GONE & set(probes.outcomes), probes.outcomes
-    await wait_until(lambda: not server._background, "the probe task ended with the stream")
+    await wait_until(lambda: not server.serving.num_probing, "the probe task ended with the stream")
 
 
 async def test_a_client_that_ignores_probes_gets_every_chunk_and_is_never_cancelled(buses):
@@ -172,7 +172,7 @@ async def test_probing_off_and_bad_intervals():
     await server.serve(DEBUG_STREAM, Endless(num_chunks=3))
     async with client.stream(DEBUG_STREAM, EchoRequest()) as chunks:
         assert [c.index async for c in chunks] == [0, 1, 2]
-    assert probes.outcomes == [] and not server._background
+    assert probes.outcomes == [] and not server.serving.num_probing
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="probe_interval"):
             memory_bus(network, probe_interval=bad)

@@ -65,7 +65,7 @@ async def test_a_caller_whose_nats_connection_closed_is_cancelled(make_bus):
     await wait_until(lambda: handler.is_cancelled, "the handler cancelled")
     assert time.monotonic() - t0 < INTERVAL + PROBE_TIMEOUT + 10
     assert "NoResponders" in probes.outcomes
-    await wait_until(lambda: server.num_inflight == 0 and not server._background, "handler and probe done")
+    await wait_until(lambda: server.num_inflight == 0 and not server.serving.num_probing, "handler and probe done")
 
 
 async def test_a_stream_dropped_without_aclose_is_cancelled(make_bus):
