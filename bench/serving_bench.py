@@ -27,6 +27,7 @@ import time
 
 from bench.common import machine, table
 from schemas.engine import SamplingParams
+from services.transfer import TRANSFER_CHOICES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=1.0)
     parser.add_argument("--worker-threads", type=int, default=0,
                         help="torch threads per engine worker process (0: all cores)")
-    parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "nats"])
+    parser.add_argument("--kv-transfer", default="auto", choices=TRANSFER_CHOICES)
     parser.add_argument("--speculative", default="off", choices=["off", "auto"],
                         help="kvbus up's speculative decoding (off: as the in-process baseline)")
     args = parser.parse_args()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
-TransferBackendName = Literal["shm", "nats"]
+TransferBackendName = str
+"""A registered transfer backend's name (``services.transfer.BACKENDS``: ``shm``, ``nats``, or one added
+with ``register_backend``). A plain string on the wire, so a registered backend's messages decode in any
+peer; the transfer layer checks the name against its registry."""
 
 
 class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,6 +42,7 @@ class WorkerLiveness:
         self.sweep_interval = min(0.25, ttl / 4)
         self._last_seen: dict[str, float] = {}
         self._ttl_of: dict[str, float] = {}
+        self._transfer_backends: dict[str, tuple[str, ...]] = {}
         self._started_at: float | None = None
         self._waiters: dict[str, set[asyncio.Future]] = {}
         self._sub = None
@@ -68,6 +69,12 @@ class WorkerLiveness:
     async def observe(self, event: WorkerHeartbeatEvent) -> None:
         self._last_seen[event.worker_id] = self.clock()
         self._ttl_of[event.worker_id] = max(self.ttl, 3 * event.interval_s)
+        if event.transfer_backends:
+            self._transfer_backends[event.worker_id] = tuple(event.transfer_backends)
+
+    def transfer_backends(self, worker_id: str) -> tuple[str, ...] | None:
+        """The KV transfer backends ``worker_id`` last advertised; None if it advertised none (yet)."""
+        return self._transfer_backends.get(worker_id)
 
     def is_dead(self, worker_id: str) -> bool:
         seen = self._last_seen.get(worker_id, self._started_at)

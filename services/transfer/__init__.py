@@ -12,25 +12,47 @@ Tensors in, tensors out; nothing here knows the engine. See
 """
 
 from services.transfer.base import (
-    REQUESTS,
+    AUTO,
+    BACKENDS,
+    TRANSFER_CHOICES,
     TransferCorrupted,
     TransferOptions,
     TransferTimeout,
     available_backends,
+    backend_names,
+    check_request,
     choose_backend,
     register_backend,
+    transfer_choices,
 )
-from services.transfer.receiver import KVReceiver
-from services.transfer.sender import KVSender
+
+
+def __getattr__(name: str):
+    # The two ends import torch; the names and the registry above do not (worker configuration reads them).
+    if name == "KVReceiver":
+        from services.transfer.receiver import KVReceiver
+
+        return KVReceiver
+    if name == "KVSender":
+        from services.transfer.sender import KVSender
+
+        return KVSender
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "AUTO",
+    "BACKENDS",
+    "TRANSFER_CHOICES",
     "KVReceiver",
     "KVSender",
-    "REQUESTS",
     "TransferCorrupted",
     "TransferOptions",
     "TransferTimeout",
     "available_backends",
+    "backend_names",
+    "check_request",
     "choose_backend",
     "register_backend",
+    "transfer_choices",
 ]

@@ -5,26 +5,34 @@ and pushes a payload (``[num_bytes]`` uint8) towards a
 :class:`~schemas.transfer.TransferTarget`; its :class:`ReceiverBackend` runs in
 the decode worker and hands the bytes back for a
 :class:`~schemas.transfer.TransferDescriptor`. Backends are registered by name
-and imported on first use, so choosing ``nats`` never imports shared-memory code
-(and a future RDMA backend never imports its drivers in a CPU test).
+in :data:`BACKENDS` and imported on first use, so choosing ``nats`` never imports
+shared-memory code (and a future RDMA backend never imports its drivers in a CPU test).
+
+Adding a backend: 1. a module defining ``BACKEND = Backend(name, Sender, Receiver, ...)``
+(its ``needs_same_host`` and ``auto_rank`` say when ``auto`` may take it);
+2. ``register_backend(name, "module")`` (or one line in :data:`BACKENDS`). Worker
+configuration, ``--kv-transfer`` choices, heartbeats and the wire schemas (plain
+``str``) take their names from the registry.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from bus.core import Bus
 from bus.errors import InvalidArgument, Timeout, Unavailable
 from schemas.transfer import TransferDescriptor, TransferTarget
+from services.plugins import Registry
 
-REQUESTS = ("auto", "shm", "nats")
-"""What a worker may ask for (``WorkerConfig.kv_transfer``)."""
+if TYPE_CHECKING:  # light importers (worker configuration) need the names, not torch
+    import torch
+
+    from bus.core import Bus
+
+AUTO = "auto"
+"""What a worker may ask for besides a backend's name: the best one both ends support."""
 
 
 class TransferCorrupted(Unavailable):
@@ -111,61 +119,104 @@ class Backend:
     sender: type[SenderBackend]
     receiver: type[ReceiverBackend]
     is_available: Callable[[], bool] = lambda: True
+    needs_same_host: bool = False
+    """Sender and receiver must share a host (``shm``): forced across hosts it is refused, and ``auto``
+    takes it only for a sender known to share the receiver's host."""
+    auto_rank: int = 100
+    """``auto`` takes the fitting backend both ends support with the lowest rank (``shm`` 0, ``nats`` 10)."""
 
 
-_REGISTRY: dict[str, str] = {
-    "shm": "services.transfer.shm",
-    "nats": "services.transfer.nats",
-}
-"""Backend name -> module holding its ``BACKEND``; imported on first use."""
+BACKENDS = Registry("transfer backend", {
+    "shm": "services.transfer.shm:BACKEND",
+    "nats": "services.transfer.nats:BACKEND",
+}, docs={
+    "shm": "a shared-memory segment per transfer (same host; NATS carries the descriptor)",
+    "nats": "chunked NATS messages under the server's max_payload (any host)",
+})
+"""Backend name -> its ``Backend``, imported on first use."""
 
 
-def register_backend(name: str, module: str) -> None:
-    """Add a backend whose module defines ``BACKEND: Backend``."""
-    _REGISTRY[name] = module
+def register_backend(name: str, target: str | Backend, *, doc: str = "") -> None:
+    """Add a backend: a module defining ``BACKEND: Backend``, a ``"module:attribute"`` path, or the
+    ``Backend`` itself. Registering a name again replaces it."""
+    if isinstance(target, str) and ":" not in target:
+        target = f"{target}:BACKEND"
+    BACKENDS.register(name, target, doc=doc)
 
 
 def backend_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    """Every registered backend, whether or not this process can use it."""
+    return tuple(BACKENDS.names())
+
+
+def transfer_choices() -> tuple[str, ...]:
+    """What a worker may ask for (``WorkerConfig.kv_transfer``, ``--kv-transfer``): auto or a backend."""
+    return (AUTO, *backend_names())
+
+
+class _TransferChoices(Sequence):
+    """:func:`transfer_choices` as a sequence read anew at each use, so a backend registered after
+    import is a valid choice too (config checks, argparse ``choices``)."""
+
+    def __getitem__(self, index):
+        return transfer_choices()[index]
+
+    def __len__(self) -> int:
+        return len(transfer_choices())
+
+    def __repr__(self) -> str:
+        return repr(transfer_choices())
+
+
+TRANSFER_CHOICES: Sequence[str] = _TransferChoices()
+
+
+def check_request(requested: str) -> str:
+    """``requested`` if it is auto or a registered backend, else InvalidArgument naming the choices."""
+    if requested != AUTO and requested not in BACKENDS:
+        raise InvalidArgument(f"kv transfer must be one of {', '.join(transfer_choices())}, got {requested!r}")
+    return requested
 
 
 def load_backend(name: str) -> Backend:
-    if name not in _REGISTRY:
-        raise InvalidArgument(f"unknown transfer backend {name!r}; known: {', '.join(_REGISTRY)}")
-    backend = importlib.import_module(_REGISTRY[name]).BACKEND
-    assert backend.name == name, f"{_REGISTRY[name]} registers {backend.name!r}, not {name!r}"
+    if name not in BACKENDS:
+        raise InvalidArgument(f"unknown transfer backend {name!r}; known: {', '.join(backend_names())}")
+    backend: Any = BACKENDS.get(name)
+    if not isinstance(backend, Backend) or backend.name != name:
+        raise ValueError(f"transfer backend {name!r} is registered as {backend!r}, not a Backend named {name!r}")
     return backend
 
 
 def available_backends() -> tuple[str, ...]:
     """The backends this process can use (what its heartbeat advertises)."""
-    return tuple(name for name in _REGISTRY if load_backend(name).is_available())
+    return tuple(name for name in backend_names() if load_backend(name).is_available())
 
 
 def choose_backend(requested: str, sender_host: str | None, receiver_host: str,
                    sender_backends: Sequence[str], receiver_backends: Sequence[str]) -> str:
     """The backend for one transfer.
 
-    ``auto`` takes ``shm`` when both workers are on the same host and both
-    support it, else ``nats``. A forced backend must be supported by both, and
-    ``shm`` needs the same host; ``sender_host=None`` (not known) is trusted for
-    a forced ``shm`` (the sender checks again) and means "another host" for
-    ``auto``. Raises InvalidArgument when nothing fits.
+    ``auto`` takes, of the backends both workers support, the one with the lowest
+    ``auto_rank`` that fits: ``shm`` when both are on the same host, else ``nats``.
+    A forced backend must be supported by both, and one that needs the same host
+    (``shm``) needs it; ``sender_host=None`` (not known) is trusted for a forced
+    ``shm`` (the sender checks again) and means "another host" for ``auto``.
+    Raises InvalidArgument when nothing fits.
     """
-    if requested not in REQUESTS:
-        raise InvalidArgument(f"kv transfer must be one of {', '.join(REQUESTS)}, got {requested!r}")
-    common = [name for name in receiver_backends if name in sender_backends]
-    if requested == "auto":
-        if "shm" in common and sender_host is not None and sender_host == receiver_host:
-            return "shm"
-        if "nats" in common:
-            return "nats"
+    check_request(requested)
+    common = [name for name in receiver_backends if name in sender_backends and name in BACKENDS]
+    is_same_host = sender_host is not None and sender_host == receiver_host
+    if requested == AUTO:
+        fitting = [load_backend(name) for name in common]
+        fitting = [b for b in fitting if is_same_host or not b.needs_same_host]
+        if fitting:
+            return min(fitting, key=lambda b: (b.auto_rank, b.name)).name
         raise InvalidArgument(f"no transfer backend both workers support "
                               f"(sender {list(sender_backends)}, receiver {list(receiver_backends)})")
     if requested not in common:
         raise InvalidArgument(f"transfer backend {requested!r} is not supported by both workers "
                               f"(sender {list(sender_backends)}, receiver {list(receiver_backends)})")
-    if requested == "shm" and sender_host is not None and sender_host != receiver_host:
-        raise InvalidArgument(f"shm transfer needs one host; sender on {sender_host!r}, "
+    if load_backend(requested).needs_same_host and sender_host is not None and not is_same_host:
+        raise InvalidArgument(f"{requested} transfer needs one host; sender on {sender_host!r}, "
                               f"receiver on {receiver_host!r}")
     return requested

@@ -214,4 +214,4 @@ class NatsReceiver(ReceiverBackend):
         self._assemblies.clear()
 
 
-BACKEND = Backend("nats", NatsSender, NatsReceiver)
+BACKEND = Backend("nats", NatsSender, NatsReceiver, auto_rank=10)

@@ -11,11 +11,12 @@ from bus.core import Bus
 from bus.errors import InvalidArgument
 from schemas.transfer import TransferDescriptor, TransferTarget
 from services.transfer.base import (
-    REQUESTS,
+    AUTO,
     ReceiverBackend,
     TransferOptions,
     available_backends,
     backend_names,
+    check_request,
     choose_backend,
     load_backend,
 )
@@ -42,19 +43,18 @@ class KVReceiver:
         self._expected: dict[str, tuple[str, float]] = {}  # transfer id -> (backend, expected at)
 
     @classmethod
-    async def open(cls, bus: Bus, worker_id: str, host_id: str, backend: str = "auto", *,
+    async def open(cls, bus: Bus, worker_id: str, host_id: str, backend: str = AUTO, *,
                    backends: Sequence[str] | None = None,
                    options: TransferOptions = TransferOptions()) -> "KVReceiver":
         """Start receiving for ``worker_id``.
 
-        ``backend``: ``auto``, ``shm`` or ``nats`` (``WorkerConfig.kv_transfer``).
+        ``backend``: ``auto`` or a registered backend's name (``WorkerConfig.kv_transfer``).
         ``backends``: those this worker supports (default: all this process can use).
         """
         check_id("worker id", worker_id)
-        if backend not in REQUESTS:
-            raise InvalidArgument(f"kv transfer must be one of {', '.join(REQUESTS)}, got {backend!r}")
+        check_request(backend)
         names = tuple(backends) if backends is not None else available_backends()
-        if backend != "auto":
+        if backend != AUTO:
             if backend not in names:
                 raise InvalidArgument(f"transfer backend {backend!r} is not among {list(names)}")
             names = (backend,)
@@ -82,7 +82,8 @@ class KVReceiver:
         """Get ready for ``transfer_id`` and return the target to give its sender.
 
         Pass the sender's ``host_id`` and backends (from its heartbeat) when known:
-        ``auto`` takes shared memory only for a sender known to share this host.
+        ``auto`` takes shared memory only for a sender known to share this host, and
+        only backends the sender advertises (unknown: every registered one).
         """
         check_id("transfer id", transfer_id)
         self._drop_stale()

@@ -9,7 +9,7 @@ import torch
 from bus.core import Bus
 from bus.errors import InvalidArgument
 from schemas.transfer import TransferDescriptor, TransferTarget
-from services.transfer.base import SenderBackend, TransferOptions, available_backends, load_backend
+from services.transfer.base import Backend, SenderBackend, TransferOptions, available_backends, load_backend
 from services.transfer.payload import as_bytes, check_id, dtype_name
 
 
@@ -27,7 +27,8 @@ class KVSender:
         self.host_id = host_id
         self.backends = tuple(backends) if backends is not None else available_backends()
         self.options = options
-        self._senders = {name: load_backend(name).sender(bus, self.worker_id, options) for name in self.backends}
+        self._backends: dict[str, Backend] = {name: load_backend(name) for name in self.backends}
+        self._senders = {name: b.sender(bus, self.worker_id, options) for name, b in self._backends.items()}
 
     def backend(self, name: str) -> SenderBackend:
         """This sender's half of backend ``name``."""
@@ -44,10 +45,10 @@ class KVSender:
         """
         check_id("transfer id", target.transfer_id)
         check_id("receiver id", target.receiver_id)
-        if target.backend == "shm" and target.host_id != self.host_id:
-            raise InvalidArgument(f"shm target {target.transfer_id} is on host {target.host_id!r}, "
-                                  f"this sender on {self.host_id!r}")
         sender = self.backend(target.backend)
+        if self._backends[target.backend].needs_same_host and target.host_id != self.host_id:
+            raise InvalidArgument(f"{target.backend} target {target.transfer_id} is on host {target.host_id!r}, "
+                                  f"this sender on {self.host_id!r}")
         payload = as_bytes(tensor)
         sent = await sender.send(target, payload)
         return TransferDescriptor(

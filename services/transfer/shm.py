@@ -231,4 +231,4 @@ class ShmReceiver(ReceiverBackend):
         return name
 
 
-BACKEND = Backend("shm", ShmSender, ShmReceiver, is_available)
+BACKEND = Backend("shm", ShmSender, ShmReceiver, is_available, needs_same_host=True, auto_rank=0)

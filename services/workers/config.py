@@ -7,8 +7,10 @@ import socket
 
 from services.config import ConfigError
 from services.engine.config import EngineConfig
+from services.transfer.base import TRANSFER_CHOICES
 
-TRANSFER_BACKENDS = ("auto", "shm", "nats")
+TRANSFER_BACKENDS = TRANSFER_CHOICES
+"""What ``kv_transfer`` may be: ``auto`` or a registered backend (``services.transfer.BACKENDS``), read live."""
 
 
 def default_host_id() -> str:
@@ -30,7 +32,7 @@ class WorkerConfig(EngineConfig):
     heartbeat_interval: float = 1.0
     """Seconds between WorkerHeartbeatEvents to the router."""
     kv_transfer: str = "auto"
-    """KV transfer backend: auto (shm on the same host, else nats), shm or nats."""
+    """KV transfer backend: auto (shm on the same host, else nats) or a registered backend (shm, nats)."""
     transfer_timeout: float = 30.0
     """Seconds a KV transfer may take before it is abandoned and its pages freed."""
     transfer_missing_only: bool = True

@@ -31,6 +31,8 @@ class DecodeActor(WorkerActor):
     role = "decode"
 
     def __init__(self, config, *, worker_id=None, engine=None):
+        from services.transfer import backend_names
+
         super().__init__(config, worker_id=worker_id, engine=engine)
         self.receiver = None
         self.liveness = None
@@ -41,7 +43,7 @@ class DecodeActor(WorkerActor):
         # local prefills (with local_prefill_tokens) until their first token: request id -> prompt page hashes
         self._computing: dict[str, set[int]] = {}
         self.num_prefill_failures = 0
-        self.num_transfers = {"shm": 0, "nats": 0}
+        self.num_transfers = dict.fromkeys(backend_names(), 0)  # KV imports by transfer backend
         self.transfer_bytes = 0  # KV payload received from prefill workers
         self.transfer_pages = 0
         self.transfer_pages_skipped = 0  # prompt pages not sent: this worker held them
@@ -130,7 +132,8 @@ class DecodeActor(WorkerActor):
         to the caller at once, and the request joins this engine's batch when its pages have
         arrived (``_take_pages``)."""
         transfer_id = uuid.uuid4().hex
-        target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id)
+        target = self.receiver.expect(transfer_id, sender_host_id=req.prefill_host_id,
+                                      sender_backends=self.liveness.transfer_backends(req.prefill_worker_id))
         t0 = time.monotonic()
         timeout = self.config.transfer_timeout
         if req.deadline_s is not None:

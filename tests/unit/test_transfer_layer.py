@@ -10,19 +10,28 @@ import pytest
 import torch
 
 from bus import errors
+from bus.codec import Encoding, decode, encode
 from bus.memory import MemoryNetwork, MemoryTransport, memory_bus
 from bus.core import Bus
-from bus.subjects import KV_CHUNK
-from schemas.transfer import KVChunkEvent, TransferDescriptor
+from bus.subjects import KV_CHUNK, WORKER_HEARTBEAT
+from schemas.transfer import KVChunkEvent, TransferDescriptor, TransferTarget
+from schemas.worker import WorkerHeartbeatEvent, WorkerLoad
+from services.liveness import WorkerLiveness
+from services.plugins import Registry
 from services.transfer import (
     KVReceiver,
     KVSender,
     TransferCorrupted,
     TransferOptions,
     TransferTimeout,
+    available_backends,
     choose_backend,
+    register_backend,
 )
+from services.transfer import base
 from services.transfer import shm as shm_backend
+from services.transfer.payload import checksum
+from tests.waiting import wait_for
 from services.transfer.nats import HEADROOM_BYTES, _Assembly
 
 pytestmark = pytest.mark.anyio
@@ -363,3 +372,126 @@ async def test_shm_segments_are_owner_only_and_not_guessable(pair):
         shm_backend._attach(d1.shm_name)
     with pytest.raises(errors.InvalidArgument, match="not expected"):  # the forged descriptor ended t2
         await receiver.receive(d2, timeout=5)
+
+
+# ---- the registry: a third backend plugs in with one register line --------------------------------
+
+LOOP_MAILBOX: dict[str, torch.Tensor] = {}
+
+
+class LoopSender(base.SenderBackend):
+    """A third backend for these tests: the payload handed over inside this process."""
+
+    name = "loop"
+
+    async def send(self, target, payload):
+        data = payload.cpu().clone()
+        LOOP_MAILBOX[target.transfer_id] = data
+        return base.Sent(checksum=checksum(data), num_chunks=1)
+
+
+class LoopReceiver(base.ReceiverBackend):
+    name = "loop"
+
+    async def receive(self, descriptor, timeout):
+        if descriptor.transfer_id not in LOOP_MAILBOX:
+            raise errors.Unavailable(f"transfer {descriptor.transfer_id} was never sent")
+        return LOOP_MAILBOX.pop(descriptor.transfer_id)
+
+    def discard(self, descriptor_or_id):
+        LOOP_MAILBOX.pop(descriptor_or_id if isinstance(descriptor_or_id, str) else descriptor_or_id.transfer_id, None)
+
+
+LOOP = base.Backend("loop", LoopSender, LoopReceiver, needs_same_host=True, auto_rank=5)
+
+
+@pytest.fixture
+def with_loop_backend(monkeypatch):
+    """The built-in registry plus ``loop``, registered as a third party would (undone afterwards)."""
+    registry = Registry("transfer backend", {"shm": "services.transfer.shm:BACKEND",
+                                             "nats": "services.transfer.nats:BACKEND"})
+    monkeypatch.setattr(base, "BACKENDS", registry)
+    register_backend("loop", LOOP, doc="in-process hand-over (tests)")
+    yield
+    LOOP_MAILBOX.clear()
+
+
+async def test_a_registered_backend_is_chosen_sent_received_and_decoded(with_loop_backend):
+    assert base.transfer_choices() == ("auto", "loop", "nats", "shm")
+    assert "loop" in base.available_backends()
+    assert choose_backend("auto", "h", "h", ["loop", "nats"], ["loop", "nats", "shm"]) == "loop"
+    assert choose_backend("auto", "h2", "h", ["loop", "nats"], ["loop", "nats"]) == "nats"  # loop needs one host
+    with pytest.raises(errors.InvalidArgument, match="loop transfer needs one host"):
+        choose_backend("loop", "h2", "h", ["loop"], ["loop"])
+    bus = memory_bus(MemoryNetwork())
+    receiver = await KVReceiver.open(bus, "decode-0", HOST, "loop")
+    sender = KVSender(bus, "prefill-0", HOST)
+    try:
+        target = receiver.expect("t1", sender_host_id=HOST, sender_backends=sender.backends)
+        assert target.backend == "loop"
+        tensor = kv((2, 3, 2, 4, 1, 8), torch.bfloat16)
+        descriptor = await sender.send(target, tensor)
+        # a peer decodes both halves off the wire (the schema types the backend as a plain string)
+        for encoding in (Encoding.JSON, Encoding.MSGPACK):
+            assert decode(encode(target, encoding), TransferTarget, encoding) == target
+            assert decode(encode(descriptor, encoding), TransferDescriptor, encoding) == descriptor
+        out = await receiver.receive(descriptor, timeout=5)
+        assert raw(out) == raw(tensor) and out.dtype == torch.bfloat16
+        with pytest.raises(errors.InvalidArgument, match="loop target"):
+            await sender.send(msgspec.structs.replace(receiver.expect("t2"), host_id="elsewhere"), tensor)
+    finally:
+        await sender.close(grace=0)
+        await receiver.close()
+        await bus.close()
+    with pytest.raises(errors.InvalidArgument, match="must be one of auto, loop, nats, shm"):
+        await KVReceiver.open(bus, "decode-0", HOST, "rdma")
+
+
+TRANSFER_GOLDEN = [
+    (TransferTarget(transfer_id="t1", backend="shm", receiver_id="decode-0", host_id="h"),
+     b'{"transfer_id":"t1","backend":"shm","receiver_id":"decode-0","host_id":"h","max_chunk_bytes":1048576}',
+     "85ab7472616e736665725f6964a27431a76261636b656e64a373686dab72656365697665725f6964a86465636f64652d30a7686f737"
+     "45f6964a168af6d61785f6368756e6b5f6279746573ce00100000"),
+    (TransferDescriptor(transfer_id="t1", backend="nats", shape=[2, 3], dtype="bfloat16", num_bytes=12, checksum=7,
+                        scales=[0.5]),
+     b'{"transfer_id":"t1","backend":"nats","shape":[2,3],"dtype":"bfloat16","num_bytes":12,"checksum":7,'
+     b'"num_chunks":1,"shm_name":null,"scales":[0.5]}',
+     "89ab7472616e736665725f6964a27431a76261636b656e64a46e617473a57368617065920203a56474797065a862666c6f61743136a9"
+     "6e756d5f62797465730ca8636865636b73756d07aa6e756d5f6368756e6b7301a873686d5f6e616d65c0a67363616c657391cb3fe000"
+     "0000000000"),
+]
+
+
+@pytest.mark.parametrize("message,json_bytes,msgpack_hex", TRANSFER_GOLDEN, ids=lambda v: type(v).__name__)
+def test_transfer_messages_keep_their_golden_bytes(message, json_bytes, msgpack_hex):
+    """The bytes of the built-in backends' messages, as when the schema listed them in a Literal."""
+    assert encode(message, Encoding.JSON) == json_bytes
+    assert encode(message, Encoding.MSGPACK).hex() == msgpack_hex
+    assert decode(json_bytes, type(message), Encoding.JSON) == message
+
+
+async def test_the_receiver_offers_a_sender_only_the_backends_its_heartbeat_advertises():
+    """The decode worker's choice (DecodeActor._remote_prefill): the prefill worker's advertised
+    backends, heard by WorkerLiveness from its heartbeats; none heard yet: any registered one."""
+    network = MemoryNetwork()
+    worker_bus, listener_bus = memory_bus(network), memory_bus(network)
+    liveness = WorkerLiveness(3.0)
+    await liveness.start(listener_bus)
+    receiver = await KVReceiver.open(listener_bus, "decode-0", HOST, "auto")
+    try:
+        assert liveness.transfer_backends("prefill-0") is None
+        assert receiver.expect("t0", sender_host_id=HOST,
+                               sender_backends=liveness.transfer_backends("prefill-0")).backend == "shm"
+        beat = WorkerHeartbeatEvent(worker_id="prefill-0", role="prefill", host_id=HOST, load=WorkerLoad(),
+                                    transfer_backends=["nats"])  # e.g. a host without POSIX shared memory
+        await worker_bus.publish(WORKER_HEARTBEAT, beat)
+        await wait_for(lambda: liveness.transfer_backends("prefill-0") is not None, what="heartbeat heard")
+        assert liveness.transfer_backends("prefill-0") == ("nats",)
+        assert receiver.expect("t1", sender_host_id=HOST,
+                               sender_backends=liveness.transfer_backends("prefill-0")).backend == "nats"
+        assert set(available_backends()) == {"shm", "nats"}  # what this process's workers advertise
+    finally:
+        await receiver.close()
+        await liveness.stop()
+        await worker_bus.close()
+        await listener_bus.close()
