@@ -31,6 +31,9 @@ class WorkerHeartbeatEvent(msgspec.Struct, frozen=True, kw_only=True):
     model: str = ""
     page_size: int = 16
     transfer_backends: list[str] = []
+    """KV transfer backends this worker's process can use (``services.transfer.available_backends``); a
+    decode worker offers a prefill worker only those it advertised (empty, as from a peer that
+    advertised none: any registered one)."""
     interval_s: float = 1.0
     is_draining: bool = False
 

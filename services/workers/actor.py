@@ -211,10 +211,12 @@ class EngineWorker(Actor):
         )
 
     def heartbeat(self) -> WorkerHeartbeatEvent:
+        from services.transfer import available_backends  # what this process can send and receive by
+
         return WorkerHeartbeatEvent(
             worker_id=self.worker_id, role=self.role, host_id=self.host_id, load=self.load(),
             model=self.engine.model_dir.name, page_size=self.config.page_size,
-            transfer_backends=["shm", "nats"], interval_s=self.config.heartbeat_interval,
+            transfer_backends=list(available_backends()), interval_s=self.config.heartbeat_interval,
             is_draining=self.is_draining or not self.is_ready,
         )
 
