@@ -1,9 +1,9 @@
 """Which processes ``kvbus up`` starts, and their command lines: one ``RoleLaunch`` per role.
 
 A role's entry says how many replicas the configuration and layout give it, and the flags each replica
-gets after ``kvbus serve ROLE --worker-id ROLE-N --nats-url URL --drain-timeout S`` (then its
-``--metrics-port``, for the roles that serve one). To pass a new option to a role: a field on
-``UpConfig`` (services/up/config.py) and one line in that role's ``*_flags`` function here.
+gets after ``kvbus serve ROLE`` and ``common_flags`` (then its ``--metrics-port``, for the roles that
+serve one). To pass a new option to a role: a field on ``UpConfig`` (services/up/config.py) and one line
+in that role's ``*_flags`` function here (in ``common_flags`` for every role).
 
 Adding a role: its actor in services/registry.py, then one ``RoleLaunch`` in ``ROLE_LAUNCHES``.
 """
@@ -45,7 +45,7 @@ class Site:
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchContext:
     """What every replica's flags draw on."""
 
     config: UpConfig
@@ -65,8 +65,8 @@ class RoleLaunch:
     role: str
     replicas: Callable[[UpConfig, str], int]
     """(config, layout) -> how many replicas to start (0: none)."""
-    flags: Callable[[Launch, str], list[str]]
-    """(launch, worker id) -> that replica's own flags."""
+    flags: Callable[[LaunchContext, str], list[str]]
+    """(context, worker id) -> that replica's own flags."""
     has_metrics_port: bool = False
     """Serves GET /metrics on a port of its own (assigned in ROLE_LAUNCHES order from --metrics-port)."""
 
@@ -80,47 +80,53 @@ def _switch(flag: str, is_on: bool) -> list[str]:
     return [flag] if is_on else []
 
 
-def tokenizer_flags(launch: Launch, wid: str) -> list[str]:
-    return ["--model", launch.site.model_dir]
+def common_flags(context: LaunchContext, wid: str) -> list[str]:
+    """What every replica gets, before its role's own flags."""
+    return ["--worker-id", wid, "--nats-url", context.site.nats_url,
+            "--drain-timeout", str(context.config.drain_timeout)]
 
 
-def router_flags(launch: Launch, wid: str) -> list[str]:
+def tokenizer_flags(context: LaunchContext, wid: str) -> list[str]:
+    return ["--model", context.site.model_dir]
+
+
+def router_flags(context: LaunchContext, wid: str) -> list[str]:
     return []
 
 
-def gateway_flags(launch: Launch, wid: str) -> list[str]:
-    config = launch.config
-    return ["--http-host", config.http_host, "--http-port", str(launch.site.http_port),
+def gateway_flags(context: LaunchContext, wid: str) -> list[str]:
+    config = context.config
+    return ["--http-host", config.http_host, "--http-port", str(context.site.http_port),
             # the keys themselves travel in KVBUS_API_KEY (inherited), never in argv
             *_option("--api-key-file", config.api_key_file)]
 
 
-def kv_store_flags(launch: Launch, wid: str) -> list[str]:
-    config = launch.config
+def kv_store_flags(context: LaunchContext, wid: str) -> list[str]:
+    config = context.config
     return ["--hicache-ratio", str(config.hicache_ratio), "--hicache-l3-admit-hits", str(config.hicache_l3_admit_hits),
             *_option("--hicache-size", config.hicache_size),
             *_option("--hicache-storage-dir", config.hicache_storage_dir),
             *_switch("--no-hicache-prefault", not config.hicache_prefault)]
 
 
-def draft_flags(launch: Launch, wid: str) -> list[str]:
-    config = launch.config
+def draft_flags(context: LaunchContext, wid: str) -> list[str]:
+    config = context.config
     method, _ = config.speculation()
-    return ["--model", launch.site.model_dir, "--speculative-method", str(method),
+    return ["--model", context.site.model_dir, "--speculative-method", str(method),
             "--num-speculative-tokens", str(config.num_speculative_tokens),
             *_option("--draft-model", config.draft_model)]
 
 
-def _engine_flags(launch: Launch, wid: str, *role_defaults: str) -> list[str]:
+def _engine_flags(context: LaunchContext, wid: str, *role_defaults: str) -> list[str]:
     """What every engine worker gets. ``role_defaults`` come before the user's ``--engine-args``, so
     theirs win; kvbus up's own placement (the core lease) comes after."""
-    config = launch.config
-    _, threads = launch.engine_cores[wid]
-    flags = ["--model", launch.site.model_dir, "--kv-cache-memory", str(config.kv_cache_memory),
+    config = context.config
+    _, threads = context.engine_cores[wid]
+    flags = ["--model", context.site.model_dir, "--kv-cache-memory", str(config.kv_cache_memory),
              "--dtype", config.dtype, "--num-threads", str(config.num_threads or threads),
              *role_defaults, *shlex.split(config.engine_args)]
-    if wid in launch.lease_slots:
-        flags += ["--core-lease", f"{launch.site.lease_file}:{launch.lease_slots[wid]}"]
+    if wid in context.lease_slots:
+        flags += ["--core-lease", f"{context.site.lease_file}:{context.lease_slots[wid]}"]
     return flags
 
 
@@ -145,22 +151,22 @@ def _hicache_flags(config: UpConfig) -> list[str]:
             *_switch("--no-hicache-prefault", not config.hicache_prefault)]
 
 
-def worker_flags(launch: Launch, wid: str) -> list[str]:
-    config = launch.config
-    return [*_engine_flags(launch, wid), *_speculation_flags(config), *_hicache_flags(config)]
+def worker_flags(context: LaunchContext, wid: str) -> list[str]:
+    config = context.config
+    return [*_engine_flags(context, wid), *_speculation_flags(config), *_hicache_flags(config)]
 
 
-def prefill_flags(launch: Launch, wid: str) -> list[str]:
+def prefill_flags(context: LaunchContext, wid: str) -> list[str]:
     # no drafter: a prefill engine never decodes past its first token
-    config = launch.config
-    return [*_engine_flags(launch, wid), *_transfer_flags(config), *_hicache_flags(config)]
+    config = context.config
+    return [*_engine_flags(context, wid), *_transfer_flags(config), *_hicache_flags(config)]
 
 
-def decode_flags(launch: Launch, wid: str) -> list[str]:
-    config = launch.config
-    is_sharing_cores = launch.core_sharing in ("lease", "share")
+def decode_flags(context: LaunchContext, wid: str) -> list[str]:
+    config = context.config
+    is_sharing_cores = context.core_sharing in ("lease", "share")
     local = _option("--local-prefill-tokens", SHARED_CORES_LOCAL_PREFILL if is_sharing_cores else None)
-    return [*_engine_flags(launch, wid, *local), *_transfer_flags(config), *_speculation_flags(config),
+    return [*_engine_flags(context, wid, *local), *_transfer_flags(config), *_speculation_flags(config),
             *_hicache_flags(config)]
 
 
@@ -207,14 +213,14 @@ def plan(config: UpConfig, site: Site, cores: list[int] | None = None) -> Plan:
     engines = [wid for role in ENGINE_ROLES for wid in roles.get(role, [])]
     sharing = core_sharing(config.requested_core_sharing, cores, engines)
     engine_cores = split_cores(cores, engines, sharing)
-    launch = Launch(config, site, sharing, engine_cores, lease_slots(engines, sharing))
+    context = LaunchContext(config, site, sharing, engine_cores, lease_slots(engines, sharing))
     metered = [wid for r in launches if r.has_metrics_port for wid in roles.get(r.role, [])]
     ports = metrics_ports(metered, config.metrics_port, {p for p in (site.http_port, port_of(site.nats_url)) if p})
     children = []
     for r in launches:
         for wid in roles.get(r.role, []):
-            argv = [sys.executable, "-m", "services.cli", "serve", r.role, "--worker-id", wid,
-                    "--nats-url", site.nats_url, "--drain-timeout", str(config.drain_timeout), *r.flags(launch, wid)]
+            argv = [sys.executable, "-m", "services.cli", "serve", r.role, *common_flags(context, wid),
+                    *r.flags(context, wid)]
             if wid in ports:
                 argv += ["--metrics-port", str(ports[wid]), "--metrics-host", config.metrics_host]
             cpus = engine_cores[wid][0] if wid in engine_cores and not config.num_threads else None
