@@ -447,29 +447,6 @@ async def test_a_registered_backend_is_chosen_sent_received_and_decoded(with_loo
         await KVReceiver.open(bus, "decode-0", HOST, "rdma")
 
 
-TRANSFER_GOLDEN = [
-    (TransferTarget(transfer_id="t1", backend="shm", receiver_id="decode-0", host_id="h"),
-     b'{"transfer_id":"t1","backend":"shm","receiver_id":"decode-0","host_id":"h","max_chunk_bytes":1048576}',
-     "85ab7472616e736665725f6964a27431a76261636b656e64a373686dab72656365697665725f6964a86465636f64652d30a7686f737"
-     "45f6964a168af6d61785f6368756e6b5f6279746573ce00100000"),
-    (TransferDescriptor(transfer_id="t1", backend="nats", shape=[2, 3], dtype="bfloat16", num_bytes=12, checksum=7,
-                        scales=[0.5]),
-     b'{"transfer_id":"t1","backend":"nats","shape":[2,3],"dtype":"bfloat16","num_bytes":12,"checksum":7,'
-     b'"num_chunks":1,"shm_name":null,"scales":[0.5]}',
-     "89ab7472616e736665725f6964a27431a76261636b656e64a46e617473a57368617065920203a56474797065a862666c6f61743136a9"
-     "6e756d5f62797465730ca8636865636b73756d07aa6e756d5f6368756e6b7301a873686d5f6e616d65c0a67363616c657391cb3fe000"
-     "0000000000"),
-]
-
-
-@pytest.mark.parametrize("message,json_bytes,msgpack_hex", TRANSFER_GOLDEN, ids=lambda v: type(v).__name__)
-def test_transfer_messages_keep_their_golden_bytes(message, json_bytes, msgpack_hex):
-    """The bytes of the built-in backends' messages, as when the schema listed them in a Literal."""
-    assert encode(message, Encoding.JSON) == json_bytes
-    assert encode(message, Encoding.MSGPACK).hex() == msgpack_hex
-    assert decode(json_bytes, type(message), Encoding.JSON) == message
-
-
 async def test_the_receiver_offers_a_sender_only_the_backends_its_heartbeat_advertises():
     """The decode worker's choice (DecodeActor._remote_prefill): the prefill worker's advertised
     backends, heard by WorkerLiveness from its heartbeats; none heard yet: any registered one."""

@@ -10,6 +10,7 @@ from bus.errors import InvalidArgument
 from schemas.common import CancelEvent, EchoChunk, HealthReply
 from schemas.generate import GenerateRequest
 from schemas.tokenizer import ChatMessage, ChatTemplateRequest, EncodeReply, EncodeRequest
+from schemas.transfer import TransferDescriptor, TransferTarget
 from schemas.worker import RouteRequest
 
 GOLDEN = [
@@ -25,6 +26,18 @@ GOLDEN = [
      b'{"role":"t","worker_id":"w","ready":true,"version":"0.1.0","uptime_s":1.5,"num_inflight":0,"detail":{}}',
      "87a4726f6c65a174a9776f726b65725f6964a177a57265616479c3a776657273696f6ea5302e312e30a8757074696d655f73cb3ff8"
      "000000000000ac6e756d5f696e666c6967687400a664657461696c80"),
+    # the backend is a plain str (any registered backend); the built-ins' bytes are those of the old Literal
+    (TransferTarget(transfer_id="t1", backend="shm", receiver_id="decode-0", host_id="h"),
+     b'{"transfer_id":"t1","backend":"shm","receiver_id":"decode-0","host_id":"h","max_chunk_bytes":1048576}',
+     "85ab7472616e736665725f6964a27431a76261636b656e64a373686dab72656365697665725f6964a86465636f64652d30a7686f737"
+     "45f6964a168af6d61785f6368756e6b5f6279746573ce00100000"),
+    (TransferDescriptor(transfer_id="t1", backend="nats", shape=[2, 3], dtype="bfloat16", num_bytes=12, checksum=7,
+                        scales=[0.5]),
+     b'{"transfer_id":"t1","backend":"nats","shape":[2,3],"dtype":"bfloat16","num_bytes":12,"checksum":7,'
+     b'"num_chunks":1,"shm_name":null,"scales":[0.5]}',
+     "89ab7472616e736665725f6964a27431a76261636b656e64a46e617473a57368617065920203a56474797065a862666c6f61743136a9"
+     "6e756d5f62797465730ca8636865636b73756d07aa6e756d5f6368756e6b7301a873686d5f6e616d65c0a67363616c657391cb3fe000"
+     "0000000000"),
 ]
 
 
