@@ -20,13 +20,16 @@ Wire protocol, in headers:
   sends it; the server cancels the handler when it passes (and answers
   ``timeout``), so work nobody waits for stops even when no CancelEvent comes
   (a caller that died, a plain NATS client that gave up).
-- Interest probes: while a streamed reply runs, the server sends at most every
+- Interest probes, only for a caller that asks (``Kvbus-Probe: accept`` on its streamed request;
+  ``ReplyStream`` does): while the stream runs, the server sends at most every
   ``probe_interval`` seconds a request with ``Kvbus-Stream: probe`` and an empty
   body to the stream's reply subject. "No responders" (the caller's connection is
   gone) or an answer ``Kvbus-Stream: gone`` (the caller dropped the stream)
   cancels the handler as a CancelEvent would; silence or any other answer means
-  alive. A caller ignores probes (it may answer them): our Bus answers ``alive``
-  for a stream it still reads and ``gone`` for one it does not know.
+  alive. Our Bus answers ``alive`` for a stream it still reads and ``gone`` for one
+  it does not know. A caller that did not ask gets no probe; its deadline
+  (``Kvbus-Timeout``), its CancelEvent and the service's own limits end its work.
+- The whole contract, machine-readable: ``kvbus schemas export`` (an AsyncAPI document, bus/contract.py).
 """
 
 from __future__ import annotations

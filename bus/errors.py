@@ -27,6 +27,20 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
+MEANINGS = {
+    ErrorCode.INVALID_ARGUMENT: "The request is malformed or a field is out of range (the message names it); "
+                                "sending it again unchanged fails again.",
+    ErrorCode.NOT_FOUND: "What the request names (a model, a worker, a page) does not exist here.",
+    ErrorCode.OVERLOADED: "Refused at once because the service is full; try again after Kvbus-Retry-After "
+                          "seconds (when given).",
+    ErrorCode.CANCELLED: "The work was cancelled before it finished.",
+    ErrorCode.TIMEOUT: "The caller's deadline (Kvbus-Timeout, timeout_s) or a service's own time limit passed.",
+    ErrorCode.UNAVAILABLE: "No service could take the request (none running, shutting down, or a stream that "
+                           "could not go on); try again, perhaps elsewhere.",
+    ErrorCode.INTERNAL: "A bug or an unexpected failure in kvbus; the message carries the request id for the logs.",
+}
+"""What each code tells a caller (the exported AsyncAPI document carries these)."""
+
 # HTTP-like numbers for the NATS micro header and for the gateway's status codes.
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,

@@ -4,7 +4,8 @@ Each delivered request runs in its own task. A task can end early for one of thr
 in one mapping (:class:`Ended`), the first one recorded wins and the task is cancelled once:
 - ``cancelled``: the caller published a ``CancelEvent`` for its request id (nobody is told);
 - ``expired``: the caller's ``Kvbus-Timeout`` passed (the caller is told ``timeout``);
-- ``abandoned``: an interest probe found the caller of a stream gone (a last ``unavailable``).
+- ``abandoned``: an interest probe found the caller of a stream gone (a last ``unavailable``); only
+  a caller that opted in (``Kvbus-Probe: accept``) is ever probed.
 A task cancelled for no recorded reason is a shutdown (the caller is told ``unavailable``).
 
 Wire protocol: see :mod:`bus.core`.
@@ -27,8 +28,12 @@ from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode, encode
 from bus.errors import BusError, Internal, NoResponders, Timeout, Unavailable
 from bus.subjects import CANCEL, Subject
 from bus.transport import (
+    CHUNK,
+    END,
     PROBE,
+    PROBE_ACCEPT,
     PROBE_GONE,
+    PROBE_HEADER,
     REQUEST_ID_HEADER,
     SEQ_HEADER,
     STREAM_HEADER,
@@ -237,27 +242,28 @@ class Serving:
         seq = 0
         agen = handler(*args)
         probe = None
-        if raw.reply and self.probe_interval > 0:
+        if raw.reply and self.probe_interval > 0 and header(raw, PROBE_HEADER) == PROBE_ACCEPT:
             probe = asyncio.create_task(self._probe_caller(raw.reply, base[REQUEST_ID_HEADER],
                                                            asyncio.current_task()))
             self._probes.add(probe)
             probe.add_done_callback(self._probes.discard)
         try:
             async for chunk in agen:
-                await self._reply(raw, encode(chunk, enc), {**base, STREAM_HEADER: "chunk", SEQ_HEADER: str(seq)})
+                await self._reply(raw, encode(chunk, enc), {**base, STREAM_HEADER: CHUNK, SEQ_HEADER: str(seq)})
                 seq += 1
         finally:
             if probe is not None:
                 probe.cancel()  # before the end message: a finished stream is never probed
             await agen.aclose()
-        await self._reply(raw, b"", {**base, STREAM_HEADER: "end", SEQ_HEADER: str(seq)})
+        await self._reply(raw, b"", {**base, STREAM_HEADER: END, SEQ_HEADER: str(seq)})
 
     async def _probe_caller(self, reply: str, request_id: str, task: asyncio.Task) -> None:
         """Cancel ``task``, a streamed reply's handler, once its caller is gone (runs beside it, never delays a chunk).
 
-        Gone: nobody subscribes to ``reply`` (the caller's connection closed), or the caller answers
-        ``gone`` (it dropped the stream without closing it). A timeout, any other answer or a
-        failure of our own connection count as alive: a client that ignores probes is never cancelled.
+        Only for a caller that asked for probes (``Kvbus-Probe: accept``). Gone: nobody subscribes to
+        ``reply`` (the caller's connection closed), or the caller answers ``gone`` (it dropped the stream
+        without closing it). A timeout, any other answer or a failure of our own connection count as
+        alive: a client that skips probes without answering is never cancelled.
         """
         headers = {REQUEST_ID_HEADER: request_id, STREAM_HEADER: PROBE}
         while True:

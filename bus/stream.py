@@ -11,7 +11,17 @@ from bus import tracing
 from bus.codec import CONTENT_TYPE_HEADER, Encoding, decode
 from bus.errors import BusError, Timeout, Unavailable
 from bus.subjects import Subject
-from bus.transport import REQUEST_ID_HEADER, SEQ_HEADER, STREAM_HEADER, RawMsg, header, raise_for_reply
+from bus.transport import (
+    END,
+    PROBE_ACCEPT,
+    PROBE_HEADER,
+    REQUEST_ID_HEADER,
+    SEQ_HEADER,
+    STREAM_HEADER,
+    RawMsg,
+    header,
+    raise_for_reply,
+)
 
 if TYPE_CHECKING:
     from bus.core import Bus
@@ -22,10 +32,15 @@ class StreamBroken(Unavailable):
 
 
 class ReplyStream:
-    """Async iterator over one streamed reply; also an async context manager."""
+    """Async iterator over one streamed reply; also an async context manager.
+
+    It asks for interest probes (``Kvbus-Probe: accept``): the bus answers them for it (``alive`` while
+    the stream is read, ``gone`` once it was dropped), so a caller gone without a word stops the work.
+    """
 
     def __init__(self, bus: "Bus", subject: Subject, message: Any, timeout: float,
                  headers: dict[str, str], name: str):
+        headers.setdefault(PROBE_HEADER, PROBE_ACCEPT)
         self._bus = bus
         self._subject = subject
         self._message = message
@@ -80,7 +95,7 @@ class ReplyStream:
             await self.aclose()
             raise StreamBroken(f"stream on {self._name} lost messages: got #{seq}, expected #{self._next_seq}",
                                request_id=self.request_id)
-        if kind == "end":
+        if kind == END:
             self._finish()
             raise StopAsyncIteration
         self._next_seq += 1

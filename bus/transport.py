@@ -20,11 +20,18 @@ SEQ_HEADER = "Kvbus-Seq"
 TIMEOUT_HEADER = "Kvbus-Timeout"
 STATUS_HEADER = "Status"  # set by nats-server on "no responders"
 NO_RESPONDERS = "503"
+CHUNK = "chunk"
+END = "end"
+"""``Kvbus-Stream`` of a streamed reply's chunks and of its last, empty message."""
 PROBE = "probe"
-"""``Kvbus-Stream`` of the interest probe a streaming server sends its caller's inbox (bus/core.py)."""
+"""``Kvbus-Stream`` of the interest probe a streaming server sends its caller's inbox (bus/serving.py)."""
 PROBE_ALIVE = "alive"
 PROBE_GONE = "gone"
 """``Kvbus-Stream`` of the caller's answer to a probe: the stream is still read, or nobody wants it any more."""
+PROBE_HEADER = "Kvbus-Probe"
+PROBE_ACCEPT = "accept"
+"""A streamed request's ``Kvbus-Probe: accept``: its caller skips or answers probes, so the server may probe it.
+Nothing is ever sent to a caller that did not ask for it: without this header, no probe."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -88,9 +88,11 @@ def cmd_serve(argv: list[str]) -> int:
 def cmd_schemas(argv: list[str]) -> int:
     from schemas.export import export_schemas
 
-    parser = argparse.ArgumentParser(prog="kvbus schemas", description="JSON Schema of every public subject")
+    parser = argparse.ArgumentParser(prog="kvbus schemas",
+                                     description="The wire contract: JSON Schema of every public subject, and "
+                                                 "one AsyncAPI 3.0 document (subjects, payloads, headers, errors)")
     sub = parser.add_subparsers(dest="action", required=True)
-    exp = sub.add_parser("export", help="write one JSON Schema file per public subject")
+    exp = sub.add_parser("export", help="write one JSON Schema file per public subject and asyncapi.json")
     exp.add_argument("dir")
     args = parser.parse_args(argv)
     paths = export_schemas(args.dir)
@@ -100,7 +102,8 @@ def cmd_schemas(argv: list[str]) -> int:
 
 
 def cmd_call(argv: list[str]) -> int:
-    """Send JSON to a subject and print the reply (or every chunk of a stream)."""
+    """Send JSON to a subject and print the reply (or every chunk of a stream; it asks for and answers
+    the server's interest probes, so Ctrl-C or a killed process stops the generation)."""
     from bus.subjects import ALL_SUBJECTS
 
     parser = argparse.ArgumentParser(prog="kvbus call", description=cmd_call.__doc__)
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             "  serve     run one service role (kvbus serve tokenizer --help)\n"
             "  model     prepare or inspect the model (kvbus model prepare | info)\n"
             "  call      send JSON to a subject and print the reply\n"
-            "  schemas   export JSON Schemas of the public subjects\n",
+            "  schemas   export the wire contract (JSON Schemas, AsyncAPI document)\n",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

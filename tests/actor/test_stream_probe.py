@@ -1,9 +1,10 @@
 """The interest probe of streamed replies, on the in-memory bus (bus/core.py, "Interest probes").
 
 A streaming server asks its caller's inbox every ``probe_interval`` seconds whether anyone still
-reads: a caller whose connection is gone (no responders) or who dropped the stream without closing
-it (answers ``gone``) has its handler cancelled; a live caller, however slow, and a client that
-ignores probes are never cancelled, and no probe ever shows up as a chunk.
+reads, if that caller asked for probes (``Kvbus-Probe: accept``; our bus's streams do): a caller whose
+connection is gone (no responders) or who dropped the stream without closing it (answers ``gone``)
+has its handler cancelled; a live caller, however slow, and a client that never answers are never
+cancelled, no probe ever shows up as a chunk, and a client that did not ask gets none.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from bus.core import PROBE_TIMEOUT, SEQ_HEADER, STREAM_HEADER
 from bus.errors import NoResponders, Unavailable
 from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import DEBUG_STREAM
-from bus.transport import PROBE, header
+from bus.transport import PROBE, PROBE_ACCEPT, PROBE_HEADER, header
 from schemas.common import EchoChunk, EchoRequest
 from tests.probing import CALLER_GONE, WAIT_S, Endless, ProbeLog, wait_until
 
@@ -95,16 +96,9 @@ async def test_a_live_caller_that_reads_slowly_is_not_cancelled_and_sees_no_prob
     await wait_until(lambda: not server.serving.num_probing, "the probe task ended with the stream")
 
 
-async def test_a_client_that_ignores_probes_gets_every_chunk_and_is_never_cancelled(buses):
-    """A third-party client: a plain subscription on an exact inbox that never answers a probe."""
-    server, client = buses
-    probes = ProbeLog(server)
-
-    async def after_a_probe_timed_out(i: int) -> None:
-        await wait_until(lambda: probes.outcomes.count("Timeout") >= i, f"probe timeout #{i}")
-
-    handler = Endless(num_chunks=3, gate=after_a_probe_timed_out)
-    await server.serve(DEBUG_STREAM, handler)
+async def _plain_stream(client, headers: dict[str, str], request: bytes = b'{"data": "eA==", "count": 0}'):
+    """A third-party client: a plain subscription on an exact inbox that never answers a probe.
+    Returns the queue its messages land in."""
     messages: asyncio.Queue = asyncio.Queue()
     inbox = client.transport.new_inbox()
 
@@ -112,8 +106,13 @@ async def test_a_client_that_ignores_probes_gets_every_chunk_and_is_never_cancel
         await messages.put(raw)
 
     await client.transport.subscribe(inbox, on_message)
-    await client.transport.publish(DEBUG_STREAM.template, b'{"data": "eA==", "count": 0}',
-                                   {"Content-Type": "application/json"}, reply=inbox)
+    await client.transport.publish(DEBUG_STREAM.template, request,
+                                   {"Content-Type": "application/json", **headers}, reply=inbox)
+    return messages
+
+
+async def _read_to_end(messages: asyncio.Queue) -> tuple[list[str], list[int]]:
+    """Every message's Kvbus-Stream up to the end one, and the Kvbus-Seq of those that are not probes."""
     kinds, seqs = [], []
     while not kinds or kinds[-1] != "end":
         raw = await asyncio.wait_for(messages.get(), WAIT_S)
@@ -122,6 +121,39 @@ async def test_a_client_that_ignores_probes_gets_every_chunk_and_is_never_cancel
             seqs.append(int(header(raw, SEQ_HEADER)))
         else:
             assert raw.data == b"" and raw.reply  # a request: it may be answered, and here is not
+    return kinds, seqs
+
+
+async def test_a_client_that_did_not_ask_for_probes_gets_none(buses):
+    """Nothing a client did not ask for reaches its inbox: while a stream that asked (our bus's) is
+    probed three rounds, a plain client's stream beside it, on the same server, gets only its chunks."""
+    server, client = buses
+    probes = ProbeLog(server)
+
+    async def after_a_probe_round(i: int) -> None:  # the plain stream outlives three probe rounds
+        await wait_until(lambda: len(probes.outcomes) >= i, f"probe round {i}")
+
+    plain_handler = Endless(num_chunks=3, gate=after_a_probe_round)
+    await server.serve(DEBUG_STREAM, lambda req: plain_handler(req) if req.count == 0 else Endless()(req))
+    async with client.stream(DEBUG_STREAM, EchoRequest(data=b"x", count=1)) as probed:  # asks for probes
+        assert (await anext(probed)).index == 0
+        kinds, seqs = await _read_to_end(await _plain_stream(client, {}))
+    assert kinds == ["chunk"] * 3 + ["end"] and seqs == [0, 1, 2, 3]  # no probe among them
+    assert plain_handler.is_finished and not plain_handler.is_cancelled
+    assert len(probes.outcomes) >= 3 and set(probes.outcomes) <= {"alive", "Timeout"}, probes.outcomes
+
+
+async def test_a_client_that_asked_but_never_answers_gets_every_chunk_and_is_never_cancelled(buses):
+    """Kvbus-Probe: accept, then silence: probes arrive between the chunks, and silence means alive."""
+    server, client = buses
+    probes = ProbeLog(server)
+
+    async def after_a_probe_timed_out(i: int) -> None:
+        await wait_until(lambda: probes.outcomes.count("Timeout") >= i, f"probe timeout #{i}")
+
+    handler = Endless(num_chunks=3, gate=after_a_probe_timed_out)
+    await server.serve(DEBUG_STREAM, handler)
+    kinds, seqs = await _read_to_end(await _plain_stream(client, {PROBE_HEADER: PROBE_ACCEPT}))
     assert kinds.count(PROBE) >= 3
     assert [k for k in kinds if k != PROBE] == ["chunk"] * 3 + ["end"] and seqs == [0, 1, 2, 3]
     assert handler.is_finished and not handler.is_cancelled

@@ -3,7 +3,8 @@
 A caller whose NATS connection closes mid-stream (no CancelEvent: "no responders" on its inbox) or
 who drops its stream without closing it (its bus answers ``gone``) has the generation cancelled and,
 with the real engine, every KV page freed; a live caller that reads slowly and a plain nats-py
-subscriber that ignores probes are never cancelled and get every chunk in order.
+subscriber that asked for probes and never answers are never cancelled and get every chunk in order;
+one that did not ask (no ``Kvbus-Probe: accept``) gets no probe at all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from bus.core import NO_RESPONDERS, PROBE_TIMEOUT, SEQ_HEADER, STATUS_HEADER, STREAM_HEADER
 from bus.nats_transport import BusConfig, connect
 from bus.subjects import DEBUG_STREAM, WORKER_GENERATE
-from bus.transport import PROBE
+from bus.transport import PROBE, PROBE_ACCEPT, PROBE_HEADER
 from schemas.common import EchoRequest
 from schemas.engine import SamplingParams
 from schemas.worker import WorkerGenerateRequest
@@ -103,7 +104,54 @@ async def test_a_live_caller_that_reads_slowly_is_not_cancelled(make_bus):
     assert "alive" in probes.outcomes and not CALLER_GONE & set(probes.outcomes), probes.outcomes
 
 
-async def test_a_plain_nats_subscriber_that_ignores_probes_gets_every_chunk(make_bus, nats_url):
+async def _plain_stream(nc, headers: dict[str, str]) -> tuple[list[str], list[int]]:
+    """A plain nats-py client's stream of DEBUG_STREAM (it never answers a probe): every message's
+    Kvbus-Stream up to the end one, and the Kvbus-Seq of those that are not probes."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    body = b'{"data": "eA==", "count": 0}'
+    await nc.publish(DEBUG_STREAM.template, body, reply=inbox, headers=headers or None)
+    kinds, seqs = [], []
+    while not kinds or kinds[-1] != "end":
+        msg = await sub.next_msg(timeout=WAIT_S)
+        if not kinds and msg.headers.get(STATUS_HEADER) == NO_RESPONDERS:  # see open_stream's NOTE
+            await nc.publish(DEBUG_STREAM.template, body, reply=inbox, headers=headers or None)
+            continue
+        kinds.append(msg.headers.get(STREAM_HEADER))
+        if kinds[-1] == PROBE:
+            assert msg.data == b"" and msg.reply
+        else:
+            seqs.append(int(msg.headers[SEQ_HEADER]))
+    await sub.unsubscribe()
+    return kinds, seqs
+
+
+async def test_a_plain_nats_subscriber_that_did_not_ask_gets_no_probe(make_bus, nats_url):
+    """While our bus's stream (it asks for probes) is probed three rounds, a plain client's stream beside it,
+    on the same server, gets only its chunks."""
+    import nats
+
+    server, client = await make_bus(probe_interval=INTERVAL), await make_bus()
+    probes = ProbeLog(server)
+
+    async def after_a_probe_round(i: int) -> None:
+        await wait_until(lambda: len(probes.outcomes) >= i, f"probe round {i}")
+
+    plain_handler = Endless(num_chunks=3, gate=after_a_probe_round)
+    await serve(server, lambda req: plain_handler(req) if req.count == 0 else Endless()(req))
+    nc = await nats.connect(nats_url)
+    try:
+        stream, first = await open_stream(client, DEBUG_STREAM, EchoRequest(data=b"x", count=1))
+        async with stream:
+            kinds, seqs = await _plain_stream(nc, {})
+    finally:
+        await nc.close()
+    assert kinds == ["chunk"] * 3 + ["end"] and seqs == [0, 1, 2, 3]  # no probe among them
+    assert plain_handler.is_finished and not plain_handler.is_cancelled
+    assert len(probes.outcomes) >= 3 and set(probes.outcomes) <= {"alive", "Timeout"}, probes.outcomes
+
+
+async def test_a_plain_nats_subscriber_that_asked_but_never_answers_gets_every_chunk(make_bus, nats_url):
     import nats
 
     server = await make_bus(probe_interval=INTERVAL)
@@ -116,20 +164,7 @@ async def test_a_plain_nats_subscriber_that_ignores_probes_gets_every_chunk(make
     await serve(server, handler)
     nc = await nats.connect(nats_url)
     try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        await nc.publish(DEBUG_STREAM.template, b'{"data": "eA=="}', reply=inbox)
-        kinds, seqs = [], []
-        while not kinds or kinds[-1] != "end":
-            msg = await sub.next_msg(timeout=WAIT_S)
-            if not kinds and msg.headers.get(STATUS_HEADER) == NO_RESPONDERS:  # see open_stream's NOTE
-                await nc.publish(DEBUG_STREAM.template, b'{"data": "eA=="}', reply=inbox)
-                continue
-            kinds.append(msg.headers.get(STREAM_HEADER))
-            if kinds[-1] == PROBE:
-                assert msg.data == b"" and msg.reply
-            else:
-                seqs.append(int(msg.headers[SEQ_HEADER]))
+        kinds, seqs = await _plain_stream(nc, {PROBE_HEADER: PROBE_ACCEPT})
     finally:
         await nc.close()
     assert kinds.count(PROBE) >= 3
