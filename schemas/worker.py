@@ -11,6 +11,9 @@ from schemas.transfer import TransferDescriptor, TransferTarget
 
 WorkerRole = Literal["prefill", "decode", "worker"]
 
+MAX_PREFIX_REPORTS = 256
+"""Most :class:`PrefixReport` one heartbeat carries."""
+
 
 class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_running: int = 0
@@ -18,6 +21,16 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_free_pages: int = 0
     num_total_pages: int = 0
     num_queued_prefill_tokens: int = 0
+
+
+class PrefixReport(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One request a worker finished: how many of its prompt tokens it found cached (any tier).
+
+    Routers compare it with the overlap they predicted for the request (their accuracy)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 class WorkerHeartbeatEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +49,16 @@ class WorkerHeartbeatEvent(msgspec.Struct, frozen=True, kw_only=True):
     advertised none: any registered one)."""
     interval_s: float = 1.0
     is_draining: bool = False
+    hash_scheme: str = ""
+    """How the worker names KV pages (``services.engine.page_hash.SCHEME``); empty: not advertised (a
+    router then assumes kvbus's scheme with an unsalted root). A router gives a worker whose scheme
+    differs from its own no overlap credit."""
+    hash_root: int = 0
+    """The chain's root hash (``page_hash.root_hash(cache_salt)``): the router hashes prompts from it,
+    so a salted worker is matched without the salt itself crossing the wire. 0: the unsalted root."""
+    prefix_reports: list[PrefixReport] = []
+    """Requests finished since the last heartbeat with their cached prompt tokens (at most
+    ``MAX_PREFIX_REPORTS``; the oldest are dropped)."""
 
 
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +76,12 @@ class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = ""
     prefill_host_id: str | None = None
     """Host of the prefill worker: the decode worker picks the KV transfer backend from it."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the router expects the prefilling worker to find cached, any tier (its KV
+    index's prediction; 0 from a policy that keeps no index)."""
+    reason: str = ""
+    """Why this decode worker: ``session`` (the conversation stays where it is), ``overlap`` (its
+    cache), ``load``, or the policy's own word."""
 
 
 class WorkerGenerateRequest(msgspec.Struct, frozen=True, kw_only=True):

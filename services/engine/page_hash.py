@@ -24,6 +24,9 @@ from collections.abc import Sequence
 
 SEED = b"kvbus-page-hash-v1"
 DIGEST_SIZE = 8
+SCHEME = SEED.decode()
+"""What workers advertise in heartbeats (``hash_scheme``): a router hashes prompts as they do only
+when this matches its own."""
 
 
 def root_hash(salt: str | bytes = b"") -> int:

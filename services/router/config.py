@@ -13,8 +13,9 @@ DisaggregationMode = Literal["auto", "always", "never"]
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "least_loaded"
-    """How to choose among workers: round_robin, random or least_loaded."""
+    policy: str = "kv"
+    """How to choose among workers: kv (where the prompt's KV pages are cached, then load), round_robin,
+    random or least_loaded."""
     worker_ttl: float = 3.0
     """Seconds without a heartbeat after which a worker is dropped."""
     disaggregation: DisaggregationMode = "auto"
@@ -31,7 +32,37 @@ class RouterConfig:
     min_free_page_fraction: float = 0.0
     """A worker whose free KV pages fall below this fraction of its pool is busy and skipped (0: off)."""
     seed: int | None = None
-    """Seed of the random policy (tests, reproducible benchmarks); default: unseeded."""
+    """Seed of the random policy and of kv's softmax sampling (tests, reproducible benchmarks); default:
+    unseeded."""
+    # --- the kv policy ---
+    kv_overlap_weight: float = 1.0
+    """kv: weight of the prefill tokens left after overlap credits against the worker's load (tokens)."""
+    router_temperature: float = 0.0
+    """kv: 0 takes the lowest cost; above 0 samples workers by softmax of their normalised costs over this
+    temperature (spreads ties and near-ties)."""
+    kv_credit_device: float = 1.0
+    """kv: credit of a prompt page in the worker's own KV pool (no prefill for it)."""
+    kv_credit_host: float = 0.75
+    """kv: credit of a page in the worker's host kv_store memory (L2: loaded back, not recomputed)."""
+    kv_credit_disk: float = 0.25
+    """kv: credit of a page in the host kv_store's disk tier (L3)."""
+    kv_approx_ttl: float = 120.0
+    """kv: seconds a prompt page the router sent to a worker publishing no KV events counts as held there
+    (approximate mode)."""
+    kv_dump_timeout: float = 5.0
+    """kv: seconds to wait for a publisher's dump (full KV state) when it joins or after a gap in its events."""
+    kv_publisher_ttl: float = 60.0
+    """kv: a KV publisher that is no live worker (a kv_store) and is silent this long is asked for a dump;
+    no answer purges its pages."""
+    session_ttl: float = 300.0
+    """Seconds a conversation (session_id) stays on its decode worker after its last request (0: no
+    affinity). It moves earlier when the worker leaves or is busy."""
+    max_sessions: int = 100_000
+    """Most sessions remembered; past it the least recently used are forgotten."""
+    metrics_port: int = 0
+    """Port of the router's Prometheus endpoint (GET /metrics: decisions, index, sessions, accuracy); 0: none."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -40,8 +71,9 @@ class RouterConfig:
         if self.disaggregation not in ("auto", "always", "never"):
             raise ConfigError(f"RouterConfig.disaggregation must be auto, always or never, "
                               f"got {self.disaggregation!r}")
-        if not self.worker_ttl > 0:
-            raise ConfigError(f"RouterConfig.worker_ttl must be > 0, got {self.worker_ttl}")
+        for name in ("worker_ttl", "kv_approx_ttl", "kv_dump_timeout", "kv_publisher_ttl"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.min_disagg_tokens < 0 or self.max_requests_per_worker < 0 \
                 or self.max_prefill_tokens_per_worker < 0:
             raise ConfigError("RouterConfig.min_disagg_tokens, max_requests_per_worker and "
@@ -49,3 +81,13 @@ class RouterConfig:
         if not 0.0 <= self.min_free_page_fraction < 1.0:
             raise ConfigError(f"RouterConfig.min_free_page_fraction must be in [0, 1), "
                               f"got {self.min_free_page_fraction}")
+        for name in ("kv_overlap_weight", "router_temperature", "session_ttl"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("kv_credit_device", "kv_credit_host", "kv_credit_disk"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"RouterConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.max_sessions < 1:
+            raise ConfigError(f"RouterConfig.max_sessions must be >= 1, got {self.max_sessions}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"RouterConfig.metrics_port must be in 0..65535, got {self.metrics_port}")

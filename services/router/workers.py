@@ -38,6 +38,13 @@ class WorkerState:
     """Requests this router sent here since the worker's last heartbeat."""
     num_routed_prefill_tokens: int = 0
     """Prompt tokens this router sent here to prefill since the last heartbeat."""
+    num_routed_tokens: int = 0
+    """Prompt tokens of the requests this router sent here to decode since the last heartbeat (their KV
+    will be held here)."""
+    hash_scheme: str = ""
+    """How the worker names KV pages (empty: not advertised)."""
+    hash_root: int = 0
+    """Root of its page-hash chain (0: not advertised: the unsalted root)."""
 
     @property
     def num_requests(self) -> int:
@@ -48,6 +55,12 @@ class WorkerState:
     def num_prefill_tokens(self) -> int:
         """Queued prefill tokens, as reported, plus what was routed here since."""
         return self.load.num_queued_prefill_tokens + self.num_routed_prefill_tokens
+
+    @property
+    def num_active_tokens(self) -> int:
+        """Tokens its requests hold in KV, as reported (pages in use; cached pages nobody uses are free),
+        plus the prompts routed here since."""
+        return max(self.load.num_total_pages - self.load.num_free_pages, 0) * self.page_size + self.num_routed_tokens
 
     @property
     def free_page_fraction(self) -> float:
@@ -82,7 +95,7 @@ class WorkerRegistry:
         self._workers[event.worker_id] = WorkerState(
             worker_id=event.worker_id, role=event.role, host_id=event.host_id, load=event.load,
             last_seen=self.clock(), model=event.model, page_size=event.page_size,
-            interval_s=event.interval_s)
+            interval_s=event.interval_s, hash_scheme=event.hash_scheme, hash_root=event.hash_root)
         return is_new
 
     def expire(self) -> list[str]:
@@ -108,11 +121,13 @@ class WorkerRegistry:
         """Ids held right now, without expiring anyone (for tests and health output)."""
         return sorted(self._workers)
 
-    def note_routed(self, worker_id: str, *, num_requests: int = 0, num_prefill_tokens: int = 0) -> None:
+    def note_routed(self, worker_id: str, *, num_requests: int = 0, num_prefill_tokens: int = 0,
+                    num_tokens: int = 0) -> None:
         state = self._workers.get(worker_id)
         if state is not None:
             state.num_routed += num_requests
             state.num_routed_prefill_tokens += num_prefill_tokens
+            state.num_routed_tokens += num_tokens
 
     def count_by_role(self) -> dict[str, int]:
         counts: dict[str, int] = {}

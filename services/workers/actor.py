@@ -10,6 +10,7 @@ locally otherwise (short prompts: conditional disaggregation).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -19,8 +20,16 @@ from bus.errors import InvalidArgument, Unavailable
 from bus.subjects import KV_EVENTS_DUMP, WORKER_GENERATE, WORKER_HEARTBEAT
 from schemas.kv_store import KVDumpReply, KVDumpRequest
 from schemas.engine import RequestOutput
-from schemas.worker import TokenChunk, WorkerGenerateRequest, WorkerHeartbeatEvent, WorkerLoad
+from schemas.worker import (
+    MAX_PREFIX_REPORTS,
+    PrefixReport,
+    TokenChunk,
+    WorkerGenerateRequest,
+    WorkerHeartbeatEvent,
+    WorkerLoad,
+)
 from services.actor import Actor
+from services.engine.page_hash import SCHEME as PAGE_HASH_SCHEME
 from services.metrics_http import start_metrics
 from services.workers.admission import Admission
 from services.workers.config import WorkerConfig, default_host_id
@@ -48,6 +57,8 @@ class EngineWorker(Actor):
         self._tier_task: asyncio.Task | None = None
         self.metrics = WorkerMetrics(self)
         self.metrics_server = None  # GET /metrics when config.metrics_port
+        self.prefix_reports: collections.deque[PrefixReport] = collections.deque(maxlen=MAX_PREFIX_REPORTS)
+        """Finished requests' cached prompt tokens, for routers to check their predictions (next heartbeat)."""
 
     async def setup(self) -> None:
         from services.kv_store.events import DeviceEventHooks, KVEventPublisher
@@ -218,7 +229,16 @@ class EngineWorker(Actor):
             model=self.engine.model_dir.name, page_size=self.config.page_size,
             transfer_backends=list(available_backends()), interval_s=self.config.heartbeat_interval,
             is_draining=self.is_draining or not self.is_ready,
+            hash_scheme=PAGE_HASH_SCHEME, hash_root=self.engine.block_manager.root_hash,
+            prefix_reports=self.take_prefix_reports(),
         )
+
+    def take_prefix_reports(self) -> list[PrefixReport]:
+        """The cached prompt tokens of requests finished since the last heartbeat (each reported once):
+        KV-aware routers check their predictions with them."""
+        reports = list(self.prefix_reports)
+        self.prefix_reports.clear()
+        return reports
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -327,6 +347,9 @@ class WorkerActor(EngineWorker):
                 yield chunk
                 if chunk.finish_reason is not None and chunk.usage is not None:
                     self.admission.observe_finished(time.monotonic() - t0, chunk.usage.completion_tokens)
+                    self.prefix_reports.append(PrefixReport(
+                        request_id=req.request_id, num_prompt_tokens=chunk.usage.prompt_tokens,
+                        num_cached_tokens=chunk.usage.cached_prompt_tokens))
 
     async def start_outputs(self, req: WorkerGenerateRequest,
                             timings: dict[str, float]) -> AsyncIterator[RequestOutput]:

@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from bus import errors
 from bus.memory import MemoryNetwork, memory_bus
-from bus.subjects import ROUTE, WORKER_HEARTBEAT
+from bus.subjects import KV_EVENTS, KV_EVENTS_DUMP, ROUTE, WORKER_HEARTBEAT
+from schemas.kv_store import KVDumpReply, KVDumpRequest, KVEvent, KVEventBatchEvent
 from schemas.worker import RouteRequest, WorkerHeartbeatEvent, WorkerLoad
+from services.engine.page_hash import SCHEME, page_hashes
+from services.natsd import free_port
 from services.registry import actor_class
 from services.router import RouterActor, RouterConfig
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +43,8 @@ async def eventually(predicate, timeout: float = 2.0) -> None:
 async def system():
     network = MemoryNetwork()
     server, client = memory_bus(network), memory_bus(network)
-    actor = RouterActor(RouterConfig(worker_ttl=0.3, min_disagg_tokens=16, max_requests_per_worker=3),
+    actor = RouterActor(RouterConfig(policy="least_loaded", worker_ttl=0.3, min_disagg_tokens=16,
+                                     max_requests_per_worker=3),
                         worker_id="router-0")
     await actor.start(server)
     yield actor, client
@@ -103,3 +109,91 @@ async def test_silent_worker_disappears_after_ttl_and_draining_at_once(system):
     await eventually(lambda: actor.router.workers.known_ids() == [], timeout=5.0)
     with pytest.raises(errors.Unavailable, match="none has sent a heartbeat"):
         await client.request(ROUTE, request())
+
+
+# --- the KV feed on the bus -------------------------------------------------------------------
+def kv_beat(worker_id: str) -> WorkerHeartbeatEvent:
+    return WorkerHeartbeatEvent(worker_id=worker_id, role="worker", host_id="h1", model="m", interval_s=0.05,
+                                load=WorkerLoad(num_free_pages=100, num_total_pages=100), hash_scheme=SCHEME)
+
+
+def kv_batch(worker_id: str, event_id: int, hashes, tier: str = "device") -> KVEventBatchEvent:
+    return KVEventBatchEvent(worker_id=worker_id, host_id="h1", event_id=event_id, events=[
+        KVEvent(kind="stored", tier=tier, page_hashes=list(hashes), parent_hashes=[0] * len(hashes))])
+
+
+class FakePublisher:
+    """What an engine worker serves for KV events: its dump subject, from a set of held pages."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id, self.event_id, self.pages, self.num_dumps = worker_id, 0, [], 0
+
+    async def handle_dump(self, req: KVDumpRequest) -> KVDumpReply:
+        self.num_dumps += 1
+        return KVDumpReply(worker_id=self.worker_id, host_id="h1", event_id=self.event_id, events=[
+            KVEvent(kind="stored", tier="device", page_hashes=self.pages, parent_hashes=[0] * len(self.pages))])
+
+    async def publish(self, bus, hashes, *, lose: bool = False) -> None:
+        """One batch of stored pages; ``lose``: it never reaches anyone (the id still advances)."""
+        self.event_id += 1
+        self.pages = self.pages + list(hashes)
+        if not lose:
+            await bus.publish(KV_EVENTS, kv_batch(self.worker_id, self.event_id, hashes), worker_id=self.worker_id)
+
+
+@pytest.fixture
+async def kv_system():
+    network = MemoryNetwork()
+    server, client = memory_bus(network), memory_bus(network)
+    port = free_port()
+    actor = RouterActor(RouterConfig(worker_ttl=60, metrics_port=port), worker_id="router-kv")
+    await actor.start(server)
+    yield actor, client, port
+    await server.drain(timeout=5)
+    await actor.stop()
+    await client.close()
+
+
+async def test_kv_feed_dumps_joining_workers_follows_events_and_resyncs_after_a_gap(kv_system):
+    actor, client, port = kv_system
+    index = actor.router.policy.index
+    w1, w2 = FakePublisher("w1"), FakePublisher("w2")
+    hashes = page_hashes(list(range(160)), 16)
+    w2.pages = hashes[:3]  # w2 held pages before this router started
+    w2.event_id = 9
+    for pub in (w1, w2):
+        await client.serve(KV_EVENTS_DUMP, pub.handle_dump, worker_id=pub.worker_id)
+        await client.publish(WORKER_HEARTBEAT, kv_beat(pub.worker_id))
+    await wait_for(lambda: index.is_synced("w1") and index.is_synced("w2"), 5, "both workers dumped")
+    assert (w1.num_dumps, w2.num_dumps) == (1, 1)
+    await w1.publish(client, hashes[:2])
+    await w2.publish(client, hashes[3:6])
+    await wait_for(lambda: index.stats()["pages_device"] == 8, 5, "the events applied")
+    reply = await client.request(ROUTE, RouteRequest(request_id="a", prompt_token_ids=list(range(161))))
+    assert (reply.decode_worker_id, reply.num_cached_tokens, reply.reason) == ("w2", 96, "overlap")
+    await w1.publish(client, hashes[2:4], lose=True)  # lost: w1's next batch shows a gap
+    await w1.publish(client, hashes[4:9])
+    await wait_for(lambda: w1.num_dumps == 2 and index.stats()["resyncs"] == 3, 5, "the resync")
+    assert index.match("w1", "h1", hashes).num_device_pages == 9 and index.stats()["gaps"] == 1
+    detail = actor.health_detail()
+    assert detail["policy"] == "kv" and detail["kv_gaps"] == "1" and detail["kv_publishers_synced"] == "2"
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    assert "kvbus_router_kv_resyncs_total 3.0" in text
+    assert 'kvbus_router_decisions_total{policy="kv",reason="overlap",stage="decode"} 1.0' in text
+
+
+async def test_a_worker_serving_no_dump_is_routed_in_approximate_mode(kv_system):
+    actor, client, _ = kv_system
+    index = actor.router.policy.index
+    for worker_id in ("w1", "w2"):  # no dump served, no events: another implementation of our subjects
+        await client.publish(WORKER_HEARTBEAT, kv_beat(worker_id))
+    await wait_for(lambda: index.is_approximate("w1") and index.is_approximate("w2"), 5, "approximate mode")
+    prompt = list(range(300))
+    first = await client.request(ROUTE, RouteRequest(request_id="a", prompt_token_ids=prompt))
+    for worker_id in ("w1", "w2"):  # fresh reports: the first route's load is forgotten
+        await client.publish(WORKER_HEARTBEAT, kv_beat(worker_id))
+    await wait_for(lambda: all(w.num_routed == 0 for w in actor.router.workers.alive()), 5, "fresh heartbeats")
+    again = await client.request(ROUTE, RouteRequest(request_id="b", prompt_token_ids=prompt + [1, 2]))
+    assert (first.num_cached_tokens, again.decode_worker_id, again.num_cached_tokens) == \
+        (0, first.decode_worker_id, 288)

@@ -39,8 +39,10 @@ def beat(worker_id: str, role: str = "decode", *, running: int = 0, waiting: int
 
 
 def make_router(*beats: WorkerHeartbeatEvent, **config) -> tuple[Router, FakeClock]:
+    """A router over these workers; least_loaded (the default before kv) unless ``policy`` says otherwise:
+    these tests are about load, membership and disaggregation (the kv policy: test_router_kv.py)."""
     clock = FakeClock()
-    router = Router(RouterConfig(**config), clock=clock)
+    router = Router(RouterConfig(**{"policy": "least_loaded", **config}), clock=clock)
     for event in beats:
         router.observe(event)
     return router, clock
