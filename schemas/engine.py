@@ -21,10 +21,33 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1
 _INT64_MAX = 2**63 - 1
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PRIORITY = 2**31 - 1
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "lark")
+"""What a StructuredOutput's ``spec`` holds: JSON Schema text, nothing (any JSON object), a regular
+expression, or a Lark grammar as llguidance reads it (JSON Schemas may be embedded with ``%json``)."""
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range (maps to ``invalid_argument``)."""
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the output must match, as source text: a worker compiles it (services/agent/grammar.py), and
+    a worker that takes over a migrated request compiles it again and replays the tokens so far."""
+
+    kind: str
+    """One of STRUCTURED_OUTPUT_KINDS."""
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_OUTPUT_KINDS,
+               f"structured_output.kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {self.kind!r}")
+        _check(len(self.spec) <= MAX_STRUCTURED_SPEC_CHARS,
+               f"structured_output.spec must be at most {MAX_STRUCTURED_SPEC_CHARS} characters, got {len(self.spec)}")
+        _check(bool(self.spec) or self.kind == "json_object", f"structured_output.spec must not be empty for "
+                                                              f"kind {self.kind!r}")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +79,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Return the chosen token's logprob and the top-n alternatives (0..20)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
+    # --- per-row logit work (issue 28's engine half): the gateway refuses these until a worker honours
+    # them (services/gateway/engine_features.py); the bounds hold from now on
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated, in [-2, 2] (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated, in [-2, 2] (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens in the prompt or output (> 0; 1 is off)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit, in [-100, 100] (-100 bans it)."""
+    min_tokens: int = 0
+    """No end-of-sequence token or stop token id before this many tokens."""
+    structured_output: StructuredOutput | None = None
+    """Constrained decoding: every token must keep the output a prefix of the grammar's language."""
+    priority: int = 0
+    """Scheduling priority among waiting requests: lower goes first (vLLM's meaning)."""
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or 1 <= self.max_tokens <= _INT64_MAX,
@@ -83,6 +122,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+                   f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+            _check(all(0 <= t <= MAX_TOKEN_ID for t in self.logit_bias),
+                   f"logit_bias token ids must be in [0, {MAX_TOKEN_ID}]")
+            _check(all(math.isfinite(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                   "logit_bias values must be in [-100, 100]")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
+        _check(-MAX_PRIORITY - 1 <= self.priority <= MAX_PRIORITY,
+               f"priority must be a 32-bit integer, got {self.priority}")
 
     @property
     def is_greedy(self) -> bool:

@@ -2,10 +2,51 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import msgspec
 
-from schemas.engine import FinishReason, SamplingParams, TokenLogprob, Usage
-from schemas.tokenizer import ChatMessage
+from schemas.engine import SamplingParams, TokenLogprob, Usage
+from schemas.tokenizer import ChatMessage, Tool, ToolCall
+
+ReplyFinishReason = Literal["stop", "length", "abort", "tool_calls"]
+"""The engine's finish reasons, plus ``tool_calls``: the model stopped after calling tools."""
+
+
+class ToolChoiceFunction(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A named function the model must call: ``{"type": "function", "function": {"name": "f"}}``."""
+
+    type: str = "function"
+    function: ToolChoiceFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    """The JSON Schema the reply must validate against (checked against the meta-schema)."""
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``{"type": "text"}`` (the default), ``{"type": "json_object"}`` or ``{"type": "json_schema", ...}``."""
+
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a tool call in a stream: the first piece of call ``index`` has its id and name, the
+    following ones more of its ``arguments`` (JSON text); joined in order they make the whole call."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,18 +72,31 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     timeout_s: float | None = None
     """Seconds the caller waits for the whole generation; past it the generation is cancelled and its
     pages freed (the ``Kvbus-Timeout`` header does the same; the earlier of the two wins)."""
+    # --- agents (docs/agents.md): the same fields, with the same meaning, as OpenAI's chat API ---
+    tools: list[Tool] | None = None
+    """Functions the model may call (with ``messages``); calls come back in ``tool_calls``."""
+    tool_choice: str | ToolChoice | None = None
+    """``"auto"`` (the default with tools), ``"none"``, ``"required"`` or a named function."""
+    parallel_tool_calls: bool = True
+    """False: at most one call per reply (the first one the model makes)."""
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. ``{"enable_thinking": false}``."""
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     """One streamed piece of a generation; the last one has ``finish_reason`` and ``usage``."""
 
     text: str = ""
+    """New content (with tools or a reasoning parser: the text that is neither a call nor reasoning)."""
     token_ids: list[int] = []
-    finish_reason: FinishReason | None = None
+    finish_reason: ReplyFinishReason | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
     timings: dict[str, float] | None = None
     """First chunk only: seconds per phase (tokenize_s, route_s, prefill_s, transfer..., first_token_s)."""
+    tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +104,9 @@ class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
 
     text: str
     token_ids: list[int]
-    finish_reason: FinishReason
+    finish_reason: ReplyFinishReason
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The calls the model made (``finish_reason`` is then ``tool_calls``)."""
+    reasoning_content: str | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 from collections import defaultdict
@@ -29,6 +30,8 @@ from schemas.tokenizer import (
     TokenizerInfoRequest,
 )
 from services.actor import Actor
+from services.agent.tool_prompt import fallback_messages, template_messages, template_takes_tools, tool_dict
+from services.agent.tools import check_chat_template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class TokenizerCore:
         self.bos_token_id = self.tokenizer.bos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
         self.name = self.model_dir.name
+        self.template_takes_tools = template_takes_tools(self.tokenizer.chat_template)
+        """False (SmolLM2): tools and tool calls are rendered in kvbus's fallback format."""
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
@@ -79,17 +84,30 @@ class TokenizerCore:
     def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, request: ChatTemplateRequest) -> str:
+        """The conversation through the model's template; tools (and calls and results in the history)
+        through the template when it takes tools, else in the fallback format (services/agent/tool_prompt.py)."""
         if not self.tokenizer.chat_template:
             raise InvalidArgument(f"model {self.name} has no chat template; send a plain prompt instead")
+        tools = request.tools or None  # UNSET or [] alike
+        kwargs = request.chat_template_kwargs or {}
+        check_chat_template_kwargs(kwargs)
+        has_tool_history = any(m.tool_calls or m.role == "tool" for m in request.messages)
+        if (tools or has_tool_history) and not self.template_takes_tools:
+            try:
+                return self._apply(fallback_messages(request.messages, tools), None, request, kwargs)
+            except Exception:  # a template that takes no role "tool": results as user messages
+                return self._apply(fallback_messages(request.messages, tools, result_role="user"), None, request,
+                                   kwargs)
+        return self._apply(template_messages(request.messages), tools, request, kwargs)
+
+    def _apply(self, messages: list[dict], tools, request: ChatTemplateRequest, kwargs: dict) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            messages, tools=[tool_dict(t) for t in tools] if tools else None,
+            add_generation_prompt=request.add_generation_prompt, tokenize=False, **kwargs)
 
     def chat_batch(self, requests: list[ChatTemplateRequest]) -> list[tuple[str, list[int]]]:
-        prompts = [
-            self.render_chat([{"role": m.role, "content": m.content} for m in r.messages], r.add_generation_prompt)
-            for r in requests
-        ]
+        prompts = [self.render_chat(r) for r in requests]
         # The template already wrote the special tokens (e.g. <|im_start|>).
         return list(zip(prompts, self.encode_batch(prompts, add_special_tokens=False)))
 
@@ -99,6 +117,16 @@ class TokenizerCore:
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
             context_length=self.context_length, has_chat_template=bool(self.tokenizer.chat_template),
         )
+
+
+def chat_chars(req: ChatTemplateRequest) -> int:
+    """Characters a chat request asks the template to render (tools and calls included)."""
+    num_chars = sum(len(m.content or "") + sum(len(c.function.arguments) + len(c.function.name)
+                                               for c in m.tool_calls or ()) for m in req.messages)
+    if req.tools:
+        num_chars += sum(len(json.dumps(t.function.parameters or {})) + len(t.function.description or "")
+                         for t in req.tools)
+    return num_chars
 
 
 def _batch_option(job: "_Job") -> bool | None:
@@ -175,7 +203,7 @@ class TokenizerActor(Actor):
     async def handle_chat(self, req: ChatTemplateRequest) -> ChatTemplateReply:
         if not req.messages:
             raise InvalidArgument("messages must not be empty")
-        self._check_length(sum(len(m.content) for m in req.messages))
+        self._check_length(chat_chars(req))
         prompt, ids = await self._submit("chat", req)
         return ChatTemplateReply(prompt=prompt, ids=ids)
 
