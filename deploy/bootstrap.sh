@@ -6,7 +6,7 @@
 #
 # Installs what is missing and nothing twice: Debian packages (python3-venv,
 # nats-server, g++ for the native CPU kernels; for tests also libnats-dev for the
-# C client test), a
+# C client test and Node.js with npm for the Node client test), a
 # virtual environment in .venv with torch pinned to 2.13.0 (set KVBUS_TORCH_SPEC
 # to install another build, e.g. a CUDA one), and kvbus itself (editable).
 set -euo pipefail
@@ -39,6 +39,9 @@ command -v nats-server >/dev/null || debs+=(nats-server)
 command -v g++ >/dev/null || debs+=(g++)
 if [ "$mode" = test ]; then
   [ -f /usr/include/nats/nats.h ] || debs+=(libnats-dev)
+  # the wire-contract tests: a Node.js client and the official AsyncAPI parser (tests/clients/node)
+  command -v node >/dev/null || debs+=(nodejs)
+  command -v npm >/dev/null || debs+=(npm)
 fi
 [ ${#debs[@]} -eq 0 ] || apt_install "${debs[@]}"
 
