@@ -37,6 +37,9 @@ class GatewayConfig:
     """Seconds without a heartbeat after which a worker streaming to us is taken for dead (its requests migrate)."""
     max_migrations: int = 3
     """Times one request may move to another worker after its worker died; past it the caller gets unavailable."""
+    session_from_user: bool = False
+    """Take the OpenAI ``user`` field as the conversation id (the router keeps a session on its worker) when the
+    request names none (body ``session_id`` or ``X-Session-ID`` header)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:

@@ -40,6 +40,7 @@ from services.gateway.openai_mapping import (
     error_response,
     logprob_token_ids,
     usage_info,
+    with_session,
 )
 from services.gateway.openai_schemas import (
     ChatChoice,
@@ -234,7 +235,8 @@ def create_app(actor: GatewayActor) -> FastAPI:
         try:
             body = await _read_body(request, actor.config.max_request_bytes)
             openai_req = decode_body(body, kind.request_type)
-            gen_req = kind.to_generate(openai_req)
+            gen_req = with_session(kind.to_generate(openai_req), request.headers.get("x-session-id"),
+                                   openai_req.user if actor.config.session_from_user else None)
         except BusError as exc:  # refused before the pipeline: counted here
             metrics.observe_request(kind.endpoint, error_response(exc)[0],
                                     exc.code.value)

@@ -120,7 +120,10 @@ class Router:
         prefilling = prefill or decode
         num_cached = self.policy.num_cached_tokens(ctx, prefilling)
         num_prefill = self.policy.num_tokens_to_prefill(ctx, prefilling)
-        self.workers.note_routed(decode.worker_id, num_requests=1, num_tokens=ctx.num_prompt_tokens,
+        # the decoder's new KV: the prompt's pages it does not hold (those it holds are shared, and show
+        # in its next heartbeat once as pages in use, however many requests share them)
+        num_new = num_prefill if prefill is None else self.policy.num_tokens_to_prefill(ctx, decode)
+        self.workers.note_routed(decode.worker_id, num_requests=1, num_tokens=num_new,
                                  num_prefill_tokens=0 if prefill else num_prefill)
         if prefill is not None:
             self.workers.note_routed(prefill.worker_id, num_prefill_tokens=num_prefill)

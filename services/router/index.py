@@ -1,9 +1,11 @@
 """The router's KV index: which worker holds which page, in which tier, fed by KV events.
 
 Publishers are engine workers (tier ``device``: their own pool) and kv_stores (tiers ``host`` and
-``disk``: one per host, shared by every engine there). The index keeps, per page hash, which
-publishers hold it and in which tiers (bits), and answers one question per decision: how long a
-leading run of a prompt's pages can a worker get without computing them (:meth:`KVIndex.match`).
+``disk``: one per host, shared by every engine there). The index keeps, per publisher, the pages it
+holds and in which tiers (bits), and answers one question per decision: how long a leading run of a
+prompt's pages can a worker get without computing them (:meth:`KVIndex.match`: its own pages, then
+its host's stores'). One dict per publisher, not one per page: a decision looks up each page in a
+few dicts, and the garbage collector has a few containers to walk, not one per page.
 
 Keeping in step with a publisher (no I/O here; ``events.py`` moves the messages):
 
@@ -28,6 +30,7 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from schemas.kv_store import KVDumpReply, KVEvent, KVEventBatchEvent
 
@@ -67,9 +70,8 @@ class Publisher:
         return self.last_event_id is not None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Match:
-    """A leading run of a prompt's full pages a worker can have without computing them."""
+class Match(NamedTuple):
+    """A leading run of a prompt's full pages a worker can have without computing them, by tier."""
 
     num_device_pages: int = 0
     num_host_pages: int = 0
@@ -80,12 +82,14 @@ class Match:
         return self.num_device_pages + self.num_host_pages + self.num_disk_pages
 
 
+NO_MATCH = Match()
+
+
 class KVIndex:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, approx_ttl: float = 120.0,
                  publisher_ttl: float = 60.0, retry_s: float = 1.0):
         self.clock = clock
         self.approx_ttl, self.publisher_ttl, self.retry_s = approx_ttl, publisher_ttl, retry_s
-        self._holders: dict[int, dict[str, int]] = {}  # page hash -> publisher id -> tier bits
         self._publishers: dict[str, Publisher] = {}
         self._stores_by_host: dict[str, set[str]] = {}
         self._predicted: dict[str, OrderedDict[int, float]] = {}  # approximate workers: hash -> expiry
@@ -241,61 +245,90 @@ class KVIndex:
         return num
 
     # --- lookups --------------------------------------------------------------------------
-    def match(self, worker_id: str, host_id: str, page_hashes: Sequence[int]) -> Match:
+    def match(self, worker_id: str, host_id: str, page_hashes: Iterable[int]) -> Match:
         """The leading run of ``page_hashes`` the worker holds (device) or its host's kv_store holds
         (host, disk), each page counted in the best tier that has it."""
-        predicted = self._predicted.get(worker_id)
-        if predicted is not None:
-            now, n = self.clock(), 0
-            for h in page_hashes:
-                if predicted.get(h, 0.0) <= now:
+        return self.match_all([(worker_id, host_id)], page_hashes)[0]
+
+    def match_all(self, workers: Sequence[tuple[str, str]], page_hashes: Iterable[int]) -> list[Match]:
+        """:meth:`match` for several ``(worker id, host id)`` at once, in one walk over the pages that
+        stops where the longest run does. ``page_hashes`` may be lazy (``prompt.PromptPages``): a cold
+        prompt is hashed no further than its first pages."""
+        counts = [[0, 0, 0] for _ in workers]
+        walking = []  # (index, own pages, store pages, predicted): the workers whose run goes on
+        for i, (worker_id, host_id) in enumerate(workers):
+            predicted = self._predicted.get(worker_id)
+            if predicted is not None:
+                walking.append((i, None, (), predicted))
+                continue
+            own, stores = self._sources(worker_id, host_id)
+            if own is not None or stores:
+                walking.append((i, own or {}, stores, None))
+        now = self.clock()
+        # pages hashed so far, then more on demand (a lazy PromptPages), read in chunks
+        computed, extend = (page_hashes.computed, page_hashes.extend) if hasattr(page_hashes, "computed") \
+            else (list(page_hashes), None)
+        i, ahead = 0, 8
+        while walking:
+            if i == len(computed):
+                if extend is None or not extend(ahead):
                     break
-                n += 1
-            return Match(num_device_pages=n)
-        pub = self._publishers.get(worker_id)
-        own = worker_id if pub is not None and pub.is_synced else None
-        stores = [s for s in self._stores_by_host.get(host_id, ()) if self._publishers[s].is_synced]
-        if own is None and not stores:
-            return Match()
-        holders = self._holders
-        counts = [0, 0, 0]
-        for h in page_hashes:
-            entry = holders.get(h)
-            if entry is None:
-                break
-            bits = entry.get(own, 0) & DEVICE if own is not None else 0
-            if not bits:
-                for s in stores:
-                    bits |= entry.get(s, 0)
-                bits &= STORE_TIERS
-            if bits & DEVICE:
-                counts[0] += 1
-            elif bits & HOST:
-                counts[1] += 1
-            elif bits & DISK:
-                counts[2] += 1
-            else:
-                break
-        return Match(num_device_pages=counts[0], num_host_pages=counts[1], num_disk_pages=counts[2])
+                ahead *= 2
+            chunk = computed[i:]
+            if len(walking) == 1 and walking[0][3] is None and not walking[0][2]:  # one worker's own pages
+                index, own = walking[0][0], walking[0][1]
+                for h in chunk:
+                    if not own.get(h, 0) & DEVICE:
+                        walking = []
+                        break
+                    counts[index][0] += 1
+                i += len(chunk)
+                continue
+            for h in chunk:
+                i += 1
+                going_on = []
+                for entry in walking:
+                    index, own, stores, predicted = entry
+                    if predicted is not None:
+                        tier = 0 if predicted.get(h, 0.0) > now else -1
+                    elif own.get(h, 0) & DEVICE:
+                        tier = 0
+                    else:
+                        bits = 0
+                        for pages in stores:
+                            bits |= pages.get(h, 0)
+                        tier = 1 if bits & HOST else 2 if bits & DISK else -1
+                    if tier >= 0:
+                        counts[index][tier] += 1
+                        going_on.append(entry)
+                walking = going_on
+                if not walking or (len(walking) == 1 and walking[0][3] is None and not walking[0][2]):
+                    break
+        return [Match(*c) for c in counts]
 
     def find_tail(self, worker_id: str, host_id: str, tail_hashes: Sequence[int]) -> tuple[int, int] | None:
         """``(index, tier bit)`` of the first of ``tail_hashes`` (tails of one page, longest first)
         held for the worker, or None. Approximate mode predicts no tails."""
-        pub = self._publishers.get(worker_id)
-        own = worker_id if pub is not None and pub.is_synced and worker_id not in self._predicted else None
-        stores = [s for s in self._stores_by_host.get(host_id, ()) if self._publishers[s].is_synced]
+        if worker_id in self._predicted:
+            return None
+        own, stores = self._sources(worker_id, host_id)
         for i, h in enumerate(tail_hashes):
-            entry = self._holders.get(h)
-            if entry is None:
-                continue
-            if own is not None and entry.get(own, 0) & DEVICE:
+            if own is not None and own.get(h, 0) & DEVICE:
                 return i, DEVICE
             bits = 0
-            for s in stores:
-                bits |= entry.get(s, 0)
+            for pages in stores:
+                bits |= pages.get(h, 0)
             if bits & STORE_TIERS:
                 return i, HOST if bits & HOST else DISK
         return None
+
+    def _sources(self, worker_id: str, host_id: str) -> tuple[dict[int, int] | None, list[dict[int, int]]]:
+        """The pages that count for a worker: its own (None until in step) and its host's stores'."""
+        pub = self._publishers.get(worker_id)
+        own = pub.pages if pub is not None and pub.is_synced else None
+        stores = [self._publishers[s].pages for s in self._stores_by_host.get(host_id, ())
+                  if self._publishers[s].is_synced]
+        return own, stores
 
     def stats(self) -> dict[str, int]:
         pubs = self._publishers.values()
@@ -343,33 +376,21 @@ class KVIndex:
 
     def _add(self, pub: Publisher, h: int, bit: int, tier: str) -> None:
         bits = pub.pages.get(h, 0)
-        if bits & bit:
-            return
-        pub.pages[h] = bits | bit
-        self._holders.setdefault(h, {})[pub.publisher_id] = bits | bit
-        self.num_pages[tier] += 1
+        if not bits & bit:
+            pub.pages[h] = bits | bit
+            self.num_pages[tier] += 1
 
     def _remove(self, pub: Publisher, h: int, bit: int, tier: str) -> None:
         bits = pub.pages.get(h, 0)
-        if not bits & bit:
-            return
-        bits &= ~bit
-        entry = self._holders[h]
-        if bits:
-            pub.pages[h] = entry[pub.publisher_id] = bits
-        else:
-            del pub.pages[h]
-            del entry[pub.publisher_id]
-            if not entry:
-                del self._holders[h]
-        self.num_pages[tier] -= 1
+        if bits & bit:
+            if bits & ~bit:
+                pub.pages[h] = bits & ~bit
+            else:
+                del pub.pages[h]
+            self.num_pages[tier] -= 1
 
     def _purge(self, pub: Publisher) -> None:
-        for h, bits in pub.pages.items():
-            entry = self._holders[h]
-            del entry[pub.publisher_id]
-            if not entry:
-                del self._holders[h]
+        for bits in pub.pages.values():
             for tier, bit in TIER_BITS.items():
                 if bits & bit:
                     self.num_pages[tier] -= 1

@@ -53,7 +53,7 @@ class KVPolicy(Policy):
 
     # --- the choice -----------------------------------------------------------------------
     def choose(self, stage: Stage, ctx: RouteContext, candidates: Sequence[WorkerState]) -> WorkerState:
-        costs = [self.cost(stage, ctx, w) for w in candidates]
+        costs = [self.cost(stage, ctx, w) for w in self._with_runs(ctx, candidates)]
         temperature = self.config.router_temperature
         if temperature > 0 and len(candidates) > 1:
             return candidates[scoring.softmax_choice(costs, temperature, self.rng)]
@@ -66,32 +66,53 @@ class KVPolicy(Policy):
         return self.config.kv_overlap_weight * left + load(ctx, worker)
 
     def num_cached_tokens(self, ctx: RouteContext, worker: WorkerState) -> int:
-        return self.overlap(ctx, worker).num_cached_tokens
+        return self.overlap(ctx, worker, with_tail=True).num_cached_tokens
 
     def reason(self, stage: Stage, ctx: RouteContext, worker: WorkerState) -> str:
-        return "overlap" if self.overlap(ctx, worker).num_cached_tokens else "load"
+        return "overlap" if self.overlap(ctx, worker, with_tail=True).num_cached_tokens else "load"
 
     # --- what a worker holds of the prompt ---------------------------------------------------
-    def overlap(self, ctx: RouteContext, worker: WorkerState) -> Overlap:
-        """The worker's cached run of the prompt (computed once per decision)."""
+    def overlap(self, ctx: RouteContext, worker: WorkerState, *, with_tail: bool = False) -> Overlap:
+        """The worker's cached run of the prompt's full pages (computed once per decision); ``with_tail``:
+        and the rows of the page after them it holds (up to page_size - 1 tokens: what the worker will
+        report, but too little to sway a choice, so only asked of the chosen worker)."""
         memo = ctx.memo.setdefault("kv_overlap", {})
         found = memo.get(worker.worker_id)
         if found is None:
-            found = memo[worker.worker_id] = self._overlap(ctx, worker)
+            self._with_runs(ctx, [worker])
+            found = memo[worker.worker_id]
+        if with_tail and found.is_credited and not found.has_tail_checked:
+            found = memo[worker.worker_id] = self._with_tail(ctx, worker, found)
         return found
 
-    def _overlap(self, ctx: RouteContext, worker: WorkerState) -> Overlap:
-        if not self.can_match(worker):
-            return NO_OVERLAP
-        pages = self.prompt_pages(ctx, worker)
-        run = self.index.match(worker.worker_id, worker.host_id, pages.hashes)
-        tails = pages.tails(run.num_pages)
-        tail = self.index.find_tail(worker.worker_id, worker.host_id, [h for _, h in tails]) if tails else None
-        num_tail, tier = (0, "device") if tail is None else \
-            (tails[tail[0]][0], "device" if tail[1] == DEVICE else "host" if tail[1] == HOST else "disk")
-        return Overlap(page_size=worker.page_size, num_device_pages=run.num_device_pages,
-                       num_host_pages=run.num_host_pages, num_disk_pages=run.num_disk_pages,
-                       num_tail_tokens=num_tail, tail_tier=tier)
+    def _with_runs(self, ctx: RouteContext, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
+        """Look up the overlap of every worker not looked up yet in this decision, in one walk over
+        the prompt per page layout (they nearly always share one); returns ``workers``."""
+        memo = ctx.memo.setdefault("kv_overlap", {})
+        by_layout: dict[tuple[int, int], list[WorkerState]] = {}
+        for w in workers:
+            if w.worker_id in memo:
+                continue
+            if not self.can_match(w):
+                memo[w.worker_id] = NO_OVERLAP
+                continue
+            by_layout.setdefault((w.page_size, w.hash_root or unsalted_root()), []).append(w)
+        for group in by_layout.values():
+            pages = self.prompt_pages(ctx, group[0])
+            runs = self.index.match_all([(w.worker_id, w.host_id) for w in group], pages)
+            for w, run in zip(group, runs):
+                memo[w.worker_id] = Overlap(w.page_size, *run)
+        return workers
+
+    def _with_tail(self, ctx: RouteContext, worker: WorkerState, run: Overlap) -> Overlap:
+        """``run`` and the tail after it. NOTE: not after zero pages: the 15 hashes that would cost
+        every cold prompt find only tails of conversations shorter than one page."""
+        tails = self.prompt_pages(ctx, worker).tails(run.num_pages) if run.num_pages else []
+        found = self.index.find_tail(worker.worker_id, worker.host_id, [h for _, h in tails]) if tails else None
+        if found is None:
+            return run._replace(has_tail_checked=True)
+        tier = "device" if found[1] == DEVICE else "host" if found[1] == HOST else "disk"
+        return run._replace(num_tail_tokens=tails[found[0]][0], tail_tier=tier, has_tail_checked=True)
 
     def prompt_pages(self, ctx: RouteContext, worker: WorkerState) -> PromptPages:
         """The prompt hashed as this worker names pages (once per page size and root per decision)."""

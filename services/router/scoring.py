@@ -14,6 +14,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from services.router.workers import WorkerState
 
@@ -78,10 +79,10 @@ class TierCredits:
     disk: float = 0.25
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Overlap:
+class Overlap(NamedTuple):
     """What of a prompt a worker can have without computing it: a leading run of full pages by tier,
-    then the first rows of the next page (a tail) from one tier."""
+    then the first rows of the next page (a tail) from one tier. (A tuple: one is made per candidate
+    per decision.)"""
 
     page_size: int
     num_device_pages: int = 0
@@ -91,6 +92,8 @@ class Overlap:
     tail_tier: str = "device"
     is_credited: bool = True
     """False for a worker whose pages cannot be matched (another hash scheme): no credit at all."""
+    has_tail_checked: bool = False
+    """Whether the tail was looked for (else ``num_tail_tokens`` is 0 unchecked)."""
 
     @property
     def num_pages(self) -> int:

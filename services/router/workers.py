@@ -39,8 +39,8 @@ class WorkerState:
     num_routed_prefill_tokens: int = 0
     """Prompt tokens this router sent here to prefill since the last heartbeat."""
     num_routed_tokens: int = 0
-    """Prompt tokens of the requests this router sent here to decode since the last heartbeat (their KV
-    will be held here)."""
+    """Prompt tokens this router sent here to decode since the last heartbeat that need new KV pages here
+    (the uncached part)."""
     hash_scheme: str = ""
     """How the worker names KV pages (empty: not advertised)."""
     hash_root: int = 0
@@ -59,7 +59,7 @@ class WorkerState:
     @property
     def num_active_tokens(self) -> int:
         """Tokens its requests hold in KV, as reported (pages in use; cached pages nobody uses are free),
-        plus the prompts routed here since."""
+        plus the new KV of the prompts routed here since."""
         return max(self.load.num_total_pages - self.load.num_free_pages, 0) * self.page_size + self.num_routed_tokens
 
     @property

@@ -244,3 +244,20 @@ def test_a_worker_that_publishes_but_serves_no_dump_is_followed_as_it_comes():
     assert not index.is_approximate("w1") and device(index, "w1") == 2  # the held batch, applied
     index.apply_batch(batch("w1", 5, ev("stored", HASHES[2:4])))  # a gap: counted, applied, no dump
     assert device(index, "w1") == 4 and index.stats()["gaps"] == 1 and index.take_dump_requests() == []
+
+
+def test_one_walk_for_many_workers_matches_each_workers_own_lookup():
+    index, _ = make_index()
+    joined(index, "a", "b", "c")
+    joined(index, "d", host="h2")
+    index.apply_batch(batch("a", 1, ev("stored", HASHES[:7])))
+    index.apply_batch(batch("b", 1, ev("stored", HASHES[:2])))
+    index.apply_batch(batch("store", 1, ev("stored", HASHES[:4], "host"), ev("stored", HASHES[4:10], "disk")))
+    index.worker_joined("e", "h1")
+    index.take_dump_requests()
+    index.dump_failed("e", no_responders=True)
+    index.predict("e", HASHES[:3])
+    workers = [("a", "h1"), ("b", "h1"), ("c", "h1"), ("d", "h2"), ("e", "h1"), ("nobody", "h3")]
+    assert index.match_all(workers, HASHES) == [
+        Match(7, 0, 3), Match(2, 2, 6), Match(0, 4, 6), Match(), Match(3), Match()]
+    assert index.match_all(workers, HASHES) == [index.match(w, h, HASHES) for w, h in workers]

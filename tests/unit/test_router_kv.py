@@ -168,11 +168,13 @@ def test_busy_thresholds_exclude_workers_and_all_busy_is_overloaded():
         route(router)
 
 
-def test_a_burst_of_one_prompt_spreads_once_its_routed_kv_outweighs_the_prefill():
+def test_a_burst_of_one_prompt_spreads_once_its_routed_load_outweighs_the_prefill():
     router, _ = make_router(beat("w1"), beat("w2"))
     router.observe_kv(stored("w1", 1, HASHES))
-    got = [route(router).decode_worker_id for _ in range(3)]
-    assert got == ["w1", "w2", "w1"]  # w1 pays 8 + 200 (routed) = w2's 200 + 0: fewer requests wins
+    got = [route(router).decode_worker_id for _ in range(14)]
+    # the k-th copy costs w1 8 (uncached) + 16 k (each routed copy: 8 to prefill, 8 of new KV), w2 200;
+    # at k = 12 they tie and w2, with fewer requests, takes it; then w2 holds 400 of load
+    assert got == ["w1"] * 12 + ["w2", "w1"]
 
 
 # --- disaggregation ------------------------------------------------------------------------
@@ -277,3 +279,35 @@ def test_router_metrics_show_the_index_and_decision_latency():
     assert "kvbus_router_kv_event_gaps_total 1.0" in text
     assert 'kvbus_router_workers{role="worker"} 2.0' in text
     assert "kvbus_router_decision_seconds_count 1.0" in text
+
+
+# --- hashing as the workers do ---------------------------------------------------------------------
+@pytest.mark.parametrize("page_size,length,salt", [(16, 200, ""), (16, 17, ""), (16, 16, "t"), (7, 250, "tenant"),
+                                                   (32, 1, ""), (1, 9, "")])
+def test_prompt_pages_hash_as_the_engine_does_lazily_and_remembered(page_size, length, salt):
+    from services.engine.page_hash import root_hash
+    from services.router.prompt import PromptPages
+
+    rng = random.Random(length)
+    ids = [rng.randrange(2**32) for _ in range(length)]
+    limit = (length - 1) // page_size
+    want = page_hashes(ids[: limit * page_size], page_size, salt)
+    for _ in range(2):  # the second time from the memo
+        pages = PromptPages(ids, page_size, root_hash(salt))
+        assert len(pages) == limit and pages.computed == []
+        assert next(iter(pages), None) == (want[0] if want else None)
+        assert len(pages.computed) == min(limit, 8)  # a lookup that stops early hashes little
+        assert list(pages) == want and pages.hashes == want
+        k = min(2, limit)
+        tails = pages.tails(k)
+        parent = want[k - 1] if k else root_hash(salt)
+        longest = min(page_size - 1, length - 1 - k * page_size)
+        assert tails == [(m, hash_tail(parent, ids[k * page_size:k * page_size + m])) for m in range(longest, 0, -1)]
+
+
+def test_a_token_id_out_of_range_is_invalid_not_internal():
+    from bus.errors import InvalidArgument
+
+    router, _ = make_router(beat("w1"))
+    with pytest.raises(InvalidArgument, match="prompt_token_ids must be integers"):
+        route(router, [5] * 40 + [-1] + [5] * 40)
