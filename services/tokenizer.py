@@ -55,7 +55,8 @@ class TokenizerConfig:
 class TokenizerCore:
     """The model's fast tokenizer with batch methods; no bus, no asyncio."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, *, chat_template: str | None = None):
+        """``chat_template``: Jinja source that replaces the model's (e.g. one that renders tools)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -63,6 +64,8 @@ class TokenizerCore:
 
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(f"{model_dir}: kvbus needs a fast (tokenizers) tokenizer")
         config = ModelConfig.from_dir(self.model_dir)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.agent.reasoning import REASONING_PARSERS
+from services.agent.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from services.config import ConfigError
+from services.plugins import UnknownPlugin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +40,11 @@ class GatewayConfig:
     """Seconds without a heartbeat after which a worker streaming to us is taken for dead (its requests migrate)."""
     max_migrations: int = 3
     """Times one request may move to another worker after its worker died; past it the caller gets unavailable."""
-    session_from_user: bool = False
-    """Take the OpenAI ``user`` field as the conversation id (the router keeps a session on its worker) when the
-    request names none (body ``session_id`` or ``X-Session-ID`` header)."""
+    tool_call_parser: str = DEFAULT_TOOL_PARSER
+    """How the model writes tool calls (docs/agents.md): hermes (<tool_call>{json}</tool_call>; also the
+    fallback prompt's format for templates without tools) or llama3_json."""
+    reasoning_parser: str | None = None
+    """Split <think>...</think> out of chat replies into reasoning_content: deepseek_r1 or qwen3; none: off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -59,3 +64,9 @@ class GatewayConfig:
             raise ConfigError("GatewayConfig.api_key: keys must be non-empty, without surrounding spaces")
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("GatewayConfig.model_name must not be blank")
+        try:
+            TOOL_PARSERS.check(self.tool_call_parser)
+            if self.reasoning_parser is not None:
+                REASONING_PARSERS.check(self.reasoning_parser)
+        except UnknownPlugin as exc:
+            raise ConfigError(f"GatewayConfig: {exc}") from None

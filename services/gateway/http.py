@@ -25,39 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bus import tracing
 from bus.errors import BusError, Internal
-from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
-from schemas.engine import Usage
+from schemas.generate import GenerateChunk, GenerateRequest
 from services.actor import VERSION
 from services.gateway.auth import install_auth
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_mapping import (
-    BodyTooLarge,
-    chat_logprobs,
-    chat_to_generate,
-    completion_logprobs,
-    completion_to_generate,
-    decode_body,
-    error_response,
-    logprob_token_ids,
-    usage_info,
-    with_session,
-)
-from services.gateway.openai_schemas import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorDetail,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-)
+from services.gateway.openai_format import ChatCompletions as _ChatCompletions
+from services.gateway.openai_format import Completions as _Completions
+from services.gateway.openai_format import sse as _sse
+from services.gateway.openai_mapping import BodyTooLarge, decode_body, error_response
+from services.gateway.openai_schemas import ErrorDetail, ErrorResponse, ModelCard, ModelList
 from services.gateway.pipeline import GenerationPipeline
 
 if TYPE_CHECKING:
@@ -75,10 +51,6 @@ class ClientGone(Exception):
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_encoder.encode(body), status_code=status, media_type="application/json", headers=headers)
-
-
-def _sse(body: Any) -> bytes:
-    return b"data: " + _encoder.encode(body) + b"\n\n"
 
 
 def _error(exc: BaseException) -> Response:
@@ -134,81 +106,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-# --- the two generation endpoints differ only in their bodies ---------------------------------
-
-
-class _Completions:
-    endpoint, id_prefix = "completions", "cmpl-"
-    request_type, to_generate = CompletionRequest, staticmethod(completion_to_generate)
-
-    def __init__(self, pipeline: GenerationPipeline, request_id: str, model: str, wants_logprobs: bool):
-        self.pipeline, self.id, self.model, self.wants_logprobs = pipeline, request_id, model, wants_logprobs
-        self.created = int(time.time())
-        self.offset = 0
-
-    def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, object="text_completion", created=self.created, model=self.model,
-                                  choices=choices, usage=usage_info(usage) if usage else None)
-
-    async def _logprobs(self, logprobs) -> Any:
-        if not self.wants_logprobs or logprobs is None:
-            return None
-        texts = await self.pipeline.token_texts(logprob_token_ids(logprobs))
-        return completion_logprobs(logprobs, texts, self.offset)
-
-    async def whole(self, reply: GenerateReply) -> CompletionResponse:
-        choice = CompletionChoice(text=reply.text, logprobs=await self._logprobs(reply.logprobs),
-                                  finish_reason=reply.finish_reason)
-        return self._response([choice], reply.usage)
-
-    def opening(self) -> list[bytes]:
-        return []
-
-    async def piece(self, chunk: GenerateChunk) -> bytes | None:
-        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
-            return None
-        choice = CompletionChoice(text=chunk.text, logprobs=await self._logprobs(chunk.logprobs),
-                                  finish_reason=chunk.finish_reason)
-        self.offset += len(chunk.text)
-        return _sse(self._response([choice]))
-
-    def usage_event(self, usage: Usage) -> bytes:
-        return _sse(self._response([], usage))
-
-
-class _ChatCompletions(_Completions):
-    endpoint, id_prefix = "chat_completions", "chatcmpl-"
-    request_type, to_generate = ChatCompletionRequest, staticmethod(chat_to_generate)
-
-    async def _logprobs(self, logprobs) -> Any:
-        if not self.wants_logprobs or logprobs is None:
-            return None
-        return chat_logprobs(logprobs, await self.pipeline.token_texts(logprob_token_ids(logprobs)))
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        return _sse(ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
-                                        model=self.model, choices=choices, usage=usage_info(usage) if usage else None))
-
-    async def whole(self, reply: GenerateReply) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatMessageOut(content=reply.text), logprobs=await self._logprobs(reply.logprobs),
-                            finish_reason=reply.finish_reason)
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_info(reply.usage))
-
-    def opening(self) -> list[bytes]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
-
-    async def piece(self, chunk: GenerateChunk) -> bytes | None:
-        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
-            return None
-        delta = ChatDelta(content=chunk.text or None)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=await self._logprobs(chunk.logprobs),
-                                            finish_reason=chunk.finish_reason)])
-
-    def usage_event(self, usage: Usage) -> bytes:
-        return self._chunk([], usage)
-
-
 # --- the app ------------------------------------------------------------------------------------
 
 
@@ -235,8 +132,7 @@ def create_app(actor: GatewayActor) -> FastAPI:
         try:
             body = await _read_body(request, actor.config.max_request_bytes)
             openai_req = decode_body(body, kind.request_type)
-            gen_req = with_session(kind.to_generate(openai_req), request.headers.get("x-session-id"),
-                                   openai_req.user if actor.config.session_from_user else None)
+            gen_req = kind.to_generate(openai_req)
         except BusError as exc:  # refused before the pipeline: counted here
             metrics.observe_request(kind.endpoint, error_response(exc)[0],
                                     exc.code.value)

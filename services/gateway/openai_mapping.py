@@ -23,6 +23,7 @@ from services.gateway.openai_schemas import (
     TopLogprob,
     UsageInfo,
 )
+from services.gateway.engine_features import refuse_osl, refuse_unhonoured
 from services.gateway.pipeline import PromptTooLong, UnknownModel
 from services.gateway.validation import BadField as BadParam
 from services.gateway.validation import chat_messages, refuse_unsupported_chat_fields
@@ -51,7 +52,13 @@ def decode_body(body: bytes, type_: type) -> Any:
         if unknown:  # OpenAI's wording for a field it does not know
             param = f"{path.group(1)}.{unknown.group(1)}" if path else unknown.group(1)
             raise BadParam(param, f"Unrecognized request argument supplied: {param}") from None
-        raise BadParam(path.group(1) if path else None, f"invalid request: {exc}") from None
+        # the whole path names the field: tools[0].function.name for a tool without a name
+        where = re.search(r"at `\$\.([^`]+)`", str(exc))
+        missing = re.match(r"Object missing required field `([^`]*)`", str(exc))
+        param = where.group(1) if where else None
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        raise BadParam(param, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadParam(None, f"malformed JSON body: {exc}") from None
 
@@ -75,13 +82,10 @@ def completion_to_generate(req: CompletionRequest) -> GenerateRequest:
 
 
 def chat_to_generate(req: ChatCompletionRequest) -> GenerateRequest:
+    """The chat request as the NATS generate subject takes it; the agent fields (tools, tool_choice,
+    response_format, ...) travel as they are and are checked by the pipeline, for NATS callers too."""
     _refuse_unsupported(req)
     refuse_unsupported_chat_fields(req)
-    if req.tools:
-        raise BadParam("tools", "tools are not supported")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise BadParam("response_format", f"response_format {req.response_format.type!r} is not supported; "
-                                          "only 'text'")
     messages = chat_messages(req.messages or [])
     if req.top_logprobs is not None and not req.logprobs:
         raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
@@ -90,37 +94,25 @@ def chat_to_generate(req: ChatCompletionRequest) -> GenerateRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateRequest(messages=messages, model=req.model, sampling=_sampling(req, max_tokens, logprobs),
-                           session_id=req.session_id, stream_interval=req.stream_interval)
-
-
-MAX_SESSION_ID_CHARS = 256
-
-
-def with_session(gen: GenerateRequest, header: str | None, user: str | None) -> GenerateRequest:
-    """The conversation the router keeps on one worker: the body's ``session_id``, else the
-    ``X-Session-ID`` header, else ``user`` (the OpenAI field; the caller passes it only with
-    ``--session-from-user``). A blank header or an id past 256 characters is refused, naming it."""
-    if gen.session_id is not None:
-        return gen
-    for param, value in (("X-Session-ID", header), ("user", user)):
-        if value is None or (param == "user" and not value.strip()):
-            continue
-        if not value.strip():
-            raise BadParam(param, f"{param} must not be blank")
-        if len(value) > MAX_SESSION_ID_CHARS:
-            raise BadParam(param, f"{param} is longer than {MAX_SESSION_ID_CHARS} characters")
-        return msgspec.structs.replace(gen, session_id=value)
-    return gen
+                           session_id=req.session_id, stream_interval=req.stream_interval,
+                           tools=req.tools, tool_choice=req.tool_choice,
+                           parallel_tool_calls=req.parallel_tool_calls is not False,
+                           response_format=req.response_format, chat_template_kwargs=req.chat_template_kwargs)
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.n != 1:
+    if req.n != 1:  # NOTE: n > 1 needs the engine half (one prompt's pages shared by n sequences)
         raise BadParam("n", f"n must be 1: kvbus returns one choice per request (got n={req.n})")
-    if req.presence_penalty or req.frequency_penalty:
-        raise BadParam("presence_penalty" if req.presence_penalty else "frequency_penalty",
-                       "presence_penalty and frequency_penalty are not supported (send 0)")
-    if req.logit_bias:
-        raise BadParam("logit_bias", "logit_bias is not supported")
+    hints = req.nvext.agent_hints if req.nvext is not None else None
+    if hints is not None:
+        if hints.strict_priority is not None:
+            raise BadParam("nvext.agent_hints.strict_priority", "nvext.agent_hints.strict_priority is not supported")
+        if hints.speculative_prefill:
+            raise BadParam("nvext.agent_hints.speculative_prefill",
+                           "nvext.agent_hints.speculative_prefill is not supported")
+        refuse_osl(hints.osl, "nvext.agent_hints.osl")
+        if hints.priority is not None and req.priority:
+            raise BadParam("nvext.agent_hints.priority", "give one of priority and nvext.agent_hints.priority")
     if req.stream_options is not None and not req.stream:
         raise BadParam("stream_options", "stream_options is only allowed when stream is true")
     if req.stream_interval < 1:
@@ -130,8 +122,11 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               logprobs: int | None) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    hinted = req.nvext is not None and req.nvext.agent_hints is not None and req.nvext.agent_hints.priority is not None
+    # Dynamo's priority: higher goes first; kvbus's (vLLM's): lower goes first
+    priority = -req.nvext.agent_hints.priority if hinted else req.priority
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -139,10 +134,26 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens, priority=priority,
         )
     except InvalidSamplingParams as exc:
         message = str(exc)  # "<field> must ...": the field is the param
-        raise BadParam(message.split(" ", 1)[0] if " must " in message else None, message) from None
+        param = message.split(" ", 1)[0] if " must " in message else None
+        raise BadParam("nvext.agent_hints.priority" if hinted and param == "priority" else param, message) from None
+    refuse_unhonoured(sampling, names={"priority": "nvext.agent_hints.priority"} if hinted else None)
+    return sampling
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's keys are token ids as strings."""
+    if not logit_bias:
+        return None
+    if not all(k.isdigit() for k in logit_bias):
+        bad = next(k for k in logit_bias if not k.isdigit())
+        raise BadParam("logit_bias", f"logit_bias keys must be token ids, got {bad!r}")
+    return {int(k): v for k, v in logit_bias.items()}
 
 
 def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:

@@ -14,6 +14,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
+
+from schemas.generate import ResponseFormat, ToolChoice
+from schemas.tokenizer import Tool, ToolCall
 
 # --- requests -----------------------------------------------------------------------------
 
@@ -22,6 +26,23 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     include_usage: bool = False
     include_obfuscation: bool | None = None
     """Accepted and ignored: kvbus adds no obfuscation padding to stream events."""
+
+
+class AgentHints(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Dynamo's ``nvext.agent_hints``."""
+
+    priority: int | None = None
+    """Higher goes first (Dynamo's meaning; kvbus's own ``priority`` is vLLM's: lower goes first)."""
+    osl: int | None = None
+    """Expected output length in tokens, for the router's load estimate."""
+    strict_priority: int | None = None
+    speculative_prefill: bool | None = None
+
+
+class NvExt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Dynamo's request extension; only ``agent_hints`` is known (anything else: unrecognized)."""
+
+    agent_hints: AgentHints | None = None
 
 
 class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +73,12 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    priority: int = 0
+    """Lower goes first (vLLM's meaning)."""
+    # Dynamo's extension
+    nvext: NvExt | None = None
     # kvbus extensions
     session_id: str | None = None
     """Conversation id: the router keeps a session on the worker that holds its cache."""
@@ -82,15 +109,12 @@ class ChatMessageIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
-
-
-class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
-    type: str = "text"
-    json_schema: Any = None
+    reasoning_content: str | None = None
+    """vLLM's: an assistant message's reasoning, sent back in the history."""
 
 
 class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
@@ -98,10 +122,12 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoice | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template, e.g. ``{"enable_thinking": false}``."""
     # OpenAI fields kvbus cannot honour: refused with a 400 when given (not null)
     functions: list[Any] | None = None
     function_call: Any = None
@@ -180,7 +206,11 @@ class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True):
 
 class ChatMessageOut(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """Null when the reply is tool calls alone (OpenAI's convention)."""
+    # UNSET: left out of the body when the reply has none
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,9 +229,25 @@ class ChatCompletionResponse(msgspec.Struct, frozen=True, kw_only=True):
     usage: UsageInfo
 
 
+class FunctionDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """OpenAI's streamed call: the first delta of call ``index`` has id, type and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):

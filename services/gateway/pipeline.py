@@ -25,6 +25,8 @@ from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.tokenizer import ChatTemplateRequest, DecodeRequest, EncodeRequest, TokenizerInfoReply, \
     TokenizerInfoRequest
 from schemas.worker import RouteRequest, TokenChunk, WorkerGenerateRequest
+from services.agent.output import merge_tool_calls
+from services.gateway import agent_request
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_span import HeldText
@@ -120,7 +122,8 @@ class GenerationPipeline:
         elif req.messages is not None:
             if not info.has_chat_template:
                 raise InvalidArgument(f"model {served} has no chat template; send a plain prompt instead")
-            ids = (await self.bus.request(TOKENIZER_CHAT, ChatTemplateRequest(messages=req.messages),
+            extras = {k: v for k in ("tools", "chat_template_kwargs") if (v := getattr(req, k))}
+            ids = (await self.bus.request(TOKENIZER_CHAT, ChatTemplateRequest(messages=req.messages, **extras),
                                           timeout=timeout)).ids
         else:
             ids = list(req.prompt_token_ids)
@@ -164,6 +167,8 @@ class GenerationPipeline:
             ends = [started + self.config.generate_timeout]
             ends += [deadline] if deadline is not None else []
             ends += [started + req.timeout_s] if req.timeout_s is not None else []
+            req = agent_request.prepare(req, self.config)  # tools, structured output (docs/agents.md)
+            parser = agent_request.parser_for(req, self.config)
             prompt_ids = await self.prompt_token_ids(req)
             timings = {"tokenize_s": time.monotonic() - started}
             first = last = None
@@ -180,9 +185,10 @@ class GenerationPipeline:
                 if chunk.usage is not None:
                     self.metrics.observe_usage(chunk.usage, now - first if first is not None else 0.0)
                     self.metrics.e2e.observe(now - started)
-                yield GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
+                out = GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
                                     finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
                                     timings={**timings, **chunk.timings} if chunk.timings else None)
+                yield parser.chunk(out) if parser is not None else out
         except BusError as exc:
             error = exc
             raise
@@ -205,11 +211,15 @@ class GenerationPipeline:
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        reasoning: list[str] = []
+        call_deltas = []
         finish_reason, usage = None, None
         async for chunk in self.generate(req, request_id=request_id, endpoint=endpoint, deadline=deadline):
             texts.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
+            reasoning.append(chunk.reasoning_content or "")
+            call_deltas.extend(chunk.tool_calls or ())
             finish_reason = chunk.finish_reason or finish_reason
             usage = chunk.usage or usage
         if finish_reason is None:
@@ -217,7 +227,9 @@ class GenerationPipeline:
         if usage is None:
             usage = Usage(prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=len(token_ids))
         return GenerateReply(text="".join(texts), token_ids=token_ids, finish_reason=finish_reason, usage=usage,
-                             logprobs=logprobs if req.sampling.logprobs is not None else None)
+                             logprobs=logprobs if req.sampling.logprobs is not None else None,
+                             tool_calls=merge_tool_calls(call_deltas) or None,
+                             reasoning_content="".join(reasoning) or None)
 
     async def _stream_from_worker(self, req: GenerateRequest, prompt_ids: list[int], request_id: str,
                                   deadline: float, timings: dict[str, float]) -> AsyncIterator[TokenChunk]:

@@ -13,6 +13,7 @@ from typing import Any
 from bus.errors import InvalidArgument
 from schemas.generate import GenerateRequest
 from schemas.tokenizer import CHAT_ROLES, ChatMessage
+from services.agent.tools import BadField
 
 MAX_CHAT_MESSAGES = 4096
 """More messages than this is refused before templating (each costs template work)."""
@@ -21,12 +22,7 @@ _REFUSED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "pr
                         "verbosity", "web_search_options")
 
 
-class BadField(InvalidArgument):
-    """A request field kvbus refuses; ``param`` names it in the OpenAI error body."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
+__all__ = ["BadField", "chat_messages", "check_before_work", "refuse_unsupported_chat_fields"]
 
 
 def refuse_unsupported_chat_fields(req: Any) -> None:
@@ -42,7 +38,8 @@ def chat_messages(messages: list[Any]) -> list[ChatMessage]:
     Roles: system, developer, user, assistant, tool (``function`` is the deprecated
     function-calling role: not supported). Content: a string, or a list of text parts;
     null only for an assistant message (OpenAI allows it beside tool calls), read as "".
-    A tool message needs its ``tool_call_id``.
+    A tool message needs its ``tool_call_id`` (that it answers an earlier call is checked
+    with the other agent fields, for NATS callers too: services/agent/tools.py).
     """
     if not messages:
         raise BadField("messages", "messages must be a non-empty list")
@@ -55,8 +52,11 @@ def _chat_message(m: Any, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if m.role not in CHAT_ROLES:
         raise BadField(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
-    if m.tool_calls or m.function_call is not None:
-        raise BadField(f"{where}.tool_calls", f"{where}: tool calls are not supported")
+    if m.function_call is not None:
+        raise BadField(f"{where}.function_call", f"{where}: function_call is deprecated and not supported; "
+                                                 "send tool_calls")
+    if m.tool_calls and m.role != "assistant":
+        raise BadField(f"{where}.tool_calls", f"{where}: only assistant messages carry tool_calls")
     if m.audio is not None:
         raise BadField(f"{where}.audio", f"{where}: audio is not supported")
     if m.role == "tool" and not m.tool_call_id:
@@ -66,16 +66,18 @@ def _chat_message(m: Any, index: int) -> ChatMessage:
         if m.role != "assistant":
             raise BadField(f"{where}.content", f"{where}.content must be a string or a list of text parts "
                                                f"for role {m.role!r}, got null")
-        return ChatMessage(role=m.role, content="")
-    if isinstance(content, str):
-        return ChatMessage(role=m.role, content=content)
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise BadField(f"{where}.content",
-                           f"content part of type {part.type!r} is not supported; only text parts")
-        texts.append(part.text)
-    return ChatMessage(role=m.role, content="\n".join(texts))
+        content = ""
+    elif not isinstance(content, str):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise BadField(f"{where}.content",
+                               f"content part of type {part.type!r} is not supported; only text parts")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    return ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls or None,
+                       tool_call_id=m.tool_call_id if m.role == "tool" else None,
+                       reasoning_content=m.reasoning_content if m.role == "assistant" else None)
 
 
 def check_before_work(req: GenerateRequest, context_length: int | None) -> None:

@@ -8,8 +8,18 @@ import pytest
 from bus.codec import Encoding, decode, encode
 from bus.errors import InvalidArgument
 from schemas.common import CancelEvent, EchoChunk, HealthReply
-from schemas.generate import GenerateRequest
-from schemas.tokenizer import ChatMessage, ChatTemplateRequest, EncodeReply, EncodeRequest
+from schemas.engine import StructuredOutput
+from schemas.generate import GenerateChunk, GenerateRequest, ToolCallDelta
+from schemas.tokenizer import (
+    ChatMessage,
+    ChatTemplateRequest,
+    EncodeReply,
+    EncodeRequest,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolFunction,
+)
 from schemas.transfer import TransferDescriptor, TransferTarget
 from schemas.worker import RouteRequest
 
@@ -95,3 +105,19 @@ def test_deadline_fields_go_last_and_old_peers_still_decode():
     assert encode(msg, Encoding.MSGPACK).hex().endswith("aa646561646c696e655f73cb4004000000000000")
     old = b'{"request_id":"r","prompt_token_ids":[1,2],"sampling":{},"prefill_worker_id":null,"stream_interval":1}'
     assert decode(old, WorkerGenerateRequest, Encoding.JSON).deadline_s is None
+
+
+def test_agent_fields_go_last_and_old_peers_still_decode():
+    """A chunk from a gateway before tools (no tool_calls, no reasoning_content) and sampling from before
+    the engine-side fields decode with their defaults."""
+    from schemas.engine import SamplingParams
+
+    old = b'{"text":"a","token_ids":[1],"finish_reason":"stop","usage":null,"logprobs":null,"timings":null}'
+    chunk = decode(old, GenerateChunk, Encoding.JSON)
+    assert chunk.tool_calls is None and chunk.reasoning_content is None
+    sampling = decode(b'{"max_tokens":3}', SamplingParams, Encoding.JSON)
+    assert (sampling.presence_penalty, sampling.repetition_penalty, sampling.logit_bias, sampling.min_tokens,
+            sampling.structured_output, sampling.priority) == (0.0, 1.0, None, 0, None, 0)
+    assert encode(SamplingParams(), Encoding.JSON).endswith(
+        b',"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,"logit_bias":null,'
+        b'"min_tokens":0,"structured_output":null,"priority":0}')
