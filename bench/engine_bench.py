@@ -80,9 +80,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weights row")
     args = ap.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
-    from services.engine import EngineConfig, LLMEngine
+    from services.engine import EngineConfig, build_engine
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", kv_cache_memory=1.0,
+    engine = build_engine(EngineConfig(model=args.model, dtype="float32", kv_cache_memory=1.0,
                                     num_threads=args.threads, load_tokenizer=False))
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     vocab = engine.model_config.vocab_size
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
 
     # --- the same single stream with bf16 weights and KV (a speed path, not HF-exact)
     if not args.no_bf16:
-        bf16 = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", kv_cache_memory=0.5,
+        bf16 = build_engine(EngineConfig(model=args.model, dtype="bfloat16", kv_cache_memory=0.5,
                                       num_threads=args.threads, load_tokenizer=False))
         engine_run(bf16, [random_prompt(64, 99, vocab)], 4)
         tps = []

@@ -55,11 +55,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def make_engine(model, kv_gb: float, hooks=None, prefix: bool = True, max_running: int = 8, tails: bool = True):
-    from services.engine import EngineConfig, LLMEngine
+    from services.engine import EngineConfig, build_engine
 
     cfg = EngineConfig(model=model, kv_cache_memory=kv_gb, load_tokenizer=False, enable_prefix_caching=prefix,
                        max_running_requests=max_running, reuse_tail_pages=tails)
-    return LLMEngine(cfg, tier_hooks=hooks)
+    return build_engine(cfg, tier_hooks=hooks)
 
 
 def l1_size(args, page_bytes: int, users_worth: int) -> float:

@@ -8,7 +8,7 @@ Same requests, same process for the client, one run:
   8 concurrent         ISL 256, OSL 64, all 8 submitted at once: output tokens/s over the whole run
   TTFT at ISL 1024     cold cache, and its parts from the first chunk's timings (tokenize, route,
                        prefill on the prefill worker, KV send, KV receive, first decode step)
-The in-process baseline is services.engine.LLMEngine driven through its async API in this
+The in-process baseline is services.engine.LLMEngine driven through its AsyncEngine in this
 process, without speculative decoding; so is the system (``--speculative off``, the default here:
 the rows then measure the serving path alone; ``--speculative auto`` starts `kvbus up` as its users
 get it, n-gram drafts for greedy requests, against the same plain baseline).
@@ -90,9 +90,9 @@ async def measure(stream_fn, args, seed: int = 0) -> dict:
 
 
 async def in_process(args) -> dict:
-    from services.engine import EngineConfig, LLMEngine
+    from services.engine import AsyncEngine, EngineConfig, build_engine
 
-    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory))
+    engine = AsyncEngine(build_engine(EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)))
 
     async def stream_fn(ids, max_tokens):
         async for o in engine.generate(ids, params(max_tokens)):

@@ -105,10 +105,10 @@ def spec_counters(engine):
 
 
 def run_in_process(args) -> None:
-    from services.engine import EngineConfig, LLMEngine
     from services.draft.base import make_drafter
+    from services.engine import EngineConfig, build_engine
 
-    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=1.0,
+    engine = build_engine(EngineConfig(dtype="float32", kv_cache_memory=1.0,
                                     num_speculative_tokens=args.k, speculative_method=None))
     tok = engine.tokenizer
     workloads = {"agentic": _prompts(tok, AGENTIC), "chat": _prompts(tok, CHAT), "long": _prompts(tok, _long_texts())}

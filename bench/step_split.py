@@ -40,9 +40,9 @@ def measure(steps: int, dtype: str = "float32") -> dict:
     import torch
     from torch.profiler import profile
 
-    from services.engine import EngineConfig, LLMEngine
+    from services.engine import EngineConfig, build_engine
 
-    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False, dtype=dtype))
+    eng = build_engine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False, dtype=dtype))
     mc = eng.model_config
     itemsize = eng.kv_pool.data.dtype.itemsize
     weight_bytes = projection_bytes(mc, eng.model.w.embed.dtype.itemsize)
@@ -103,9 +103,9 @@ def stack_vs_loop(rounds: int = 8, steps: int = 6) -> None:
     import torch
 
     from bench.common import machine, table
-    from services.engine import EngineConfig, LLMEngine
+    from services.engine import EngineConfig, build_engine
 
-    eng = LLMEngine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
+    eng = build_engine(EngineConfig(kv_cache_memory=2.0, load_tokenizer=False))
     stack = eng.model.decode_stack()
     if stack is None:
         raise SystemExit("the native decode stack cannot serve this engine (native kernels not built?)")

@@ -20,7 +20,7 @@ from bus.errors import InvalidArgument, Unavailable
 from bus.subjects import DRAFT_CLOSE, DRAFT_PROPOSE
 from schemas.draft import DraftCloseEvent, DraftProposeReply, DraftProposeRequest, DraftResult
 from services.actor import Actor
-from services.draft.base import Drafter, make_drafter
+from services.draft.base import Drafter, drafter_class
 from services.draft.config import DraftConfig
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class DraftActor(Actor):
             c = self.config
             target = await asyncio.to_thread(resolve_model, c.model)
             self.drafter = await asyncio.to_thread(
-                make_drafter, c.speculative_method, min_n=c.ngram_min, max_n=c.ngram_max,
-                model=c.draft_model, target_dir=str(target), device=c.device,
-            )
+                drafter_class(c.speculative_method).from_config, c, target_dir=str(target))
         self._loop_task = asyncio.create_task(self._batch_loop(), name="draft-batch-loop")
 
     async def start(self, bus) -> None:

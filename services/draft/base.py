@@ -16,22 +16,29 @@ The engine drops a proposal whose position is not the sequence's current length
 batch (the remote draft service batches proposals of several decode workers); the
 default loops over ``propose``.
 
-To add a drafter: subclass :class:`Drafter`, set ``name`` and ``cost_per_token``,
-and add ``"name": "module:Class"`` to :data:`DRAFTERS` (imported lazily).
+To add a drafter: one module with a :class:`Drafter` subclass (``name``, ``from_config``
+reading its own options from the engine's or the draft service's configuration, and
+``cost_per_token`` or ``cost_for``), and one line in :data:`DRAFTERS`. The configurations'
+``speculative_method`` choices, their validation and ``kvbus up --speculative`` come from the
+registry.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-DRAFTERS: dict[str, str] = {
+from services.plugins import Registry, UnknownPlugin
+
+DRAFTERS = Registry("drafter", {
     "ngram": "services.draft.ngram:NgramDrafter",
     "model": "services.draft.model:ModelDrafter",
-}
+}, docs={
+    "ngram": "prompt lookup: the tokens that followed the stream's tail earlier in it",
+    "model": "a small model sharing the target's tokenizer (draft_model)",
+})
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,23 @@ class Drafter(abc.ABC):
     name: ClassVar[str]
     cost_per_token: ClassVar[float] = 0.0
     """Time to draft one token as a share of one target decode step (adaptive k's cost model)."""
+
+    @classmethod
+    def from_config(cls, config, *, target_dir: str | None = None) -> Drafter:
+        """This drafter built from the fields of ``config`` (an EngineConfig or a DraftConfig) it
+        uses; ``target_dir``: the target model's folder. The default takes no options."""
+        return cls()
+
+    @classmethod
+    def config_problem(cls, config) -> tuple[str, str] | None:
+        """``(field, why)`` when ``config`` lacks what this drafter needs, else None."""
+        return None
+
+    @classmethod
+    def cost_for(cls, config, *, target_dir: str | None = None) -> float:
+        """``cost_per_token`` of the drafter ``config`` would build, without building it (a
+        worker whose drafts come from the draft service weighs them with it)."""
+        return cls.cost_per_token
 
     @abc.abstractmethod
     def open(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
@@ -79,10 +103,26 @@ class DraftError(ValueError):
     """A drafter that cannot serve this target (e.g. another tokenizer)."""
 
 
+def drafter_class(name: str) -> type[Drafter]:
+    """The drafter class registered as ``name`` (DraftError naming the known ones)."""
+    try:
+        return DRAFTERS.get(name)
+    except UnknownPlugin as exc:
+        raise DraftError(str(exc)) from None
+
+
 def make_drafter(name: str, **options) -> Drafter:
-    """The drafter registered as ``name``, constructed with ``options``."""
-    target = DRAFTERS.get(name)
-    if target is None:
-        raise DraftError(f"unknown drafter {name!r}; known: {', '.join(sorted(DRAFTERS))}")
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    """The drafter registered as ``name``, constructed with ``options`` (its own keyword arguments)."""
+    return drafter_class(name)(**options)
+
+
+def speculative_method_problem(config) -> tuple[str, str] | None:
+    """``(field, why)`` when ``config.speculative_method`` (None: off) names no registered drafter,
+    or lacks an option its drafter needs; None when fine (the configurations raise ConfigError).
+    Only a configured drafter's module is imported."""
+    method = config.speculative_method
+    if method is None:
+        return None
+    if method not in DRAFTERS:
+        return "speculative_method", f"must be one of {', '.join(DRAFTERS.names())}"
+    return DRAFTERS.get(method).config_problem(config)

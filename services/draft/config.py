@@ -12,7 +12,7 @@ class DraftConfig:
     model: str | None = None
     """The target model's local folder (None: the default model): its tokenizer must match the draft model's."""
     speculative_method: str = "ngram"
-    """Drafter: ngram (prompt lookup) or model (draft_model)."""
+    """Drafter, by name (services.draft.base.DRAFTERS: ngram, prompt lookup; model, a small draft model)."""
     draft_model: str | None = None
     """speculative_method=model: local HF folder of the draft model."""
     num_speculative_tokens: int = 8
@@ -27,10 +27,12 @@ class DraftConfig:
     """Most request streams held; past it the least recently used is dropped (its worker resyncs)."""
 
     def __post_init__(self) -> None:
-        if self.speculative_method not in ("ngram", "model"):
-            raise ConfigError(f"DraftConfig.speculative_method must be ngram or model, got {self.speculative_method!r}")
-        if self.speculative_method == "model" and not self.draft_model:
-            raise ConfigError("DraftConfig.draft_model is needed with speculative_method=model")
+        from services.draft.base import speculative_method_problem  # the drafter registry says
+
+        problem = speculative_method_problem(self) if self.speculative_method else ("speculative_method", "is needed")
+        if problem is not None:
+            field, why = problem
+            raise ConfigError(f"DraftConfig.{field} {why}, got {getattr(self, field)!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("DraftConfig.num_speculative_tokens must be in [1, 16]")
         if self.max_streams < 1:

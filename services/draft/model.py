@@ -64,12 +64,19 @@ def _param_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
 
+def _size_ratio(draft_dir: Path, target_dir: Path) -> float:
+    """Drafting a token as a share of a target decode step: both read their weights once a step."""
+    return _param_bytes(draft_dir) / max(1, _param_bytes(target_dir))
+
+
 class ModelDrafter(Drafter):
     name = "model"
+    UNKNOWN_COST = 0.4
+    """cost_per_token assumed when the draft model's size cannot be compared with the target's."""
 
     def __init__(
         self, *, model: str | None, target_dir: str | None = None, device: str = "cpu",
-        kv_cache_memory: float = 0.125, page_size: int = 16, cost_per_token: float | None = None, **_ignored,
+        kv_cache_memory: float = 0.125, page_size: int = 16, cost_per_token: float | None = None,
     ):
         from services.models import resolve_model
 
@@ -78,7 +85,7 @@ class ModelDrafter(Drafter):
         self.model_dir = Path(resolve_model(model))
         if target_dir is not None:
             check_same_tokenizer(Path(target_dir), self.model_dir)
-            self.cost_per_token = _param_bytes(self.model_dir) / max(1, _param_bytes(Path(target_dir)))
+            self.cost_per_token = _size_ratio(self.model_dir, Path(target_dir))
         if cost_per_token is not None:  # measured by the caller (or 0 to always draft, for tests)
             self.cost_per_token = cost_per_token
         self.mc = mc = ModelConfig.from_dir(self.model_dir)
@@ -93,6 +100,24 @@ class ModelDrafter(Drafter):
         self.runner = ModelRunner(LlamaModel(mc, weights, self.pool, mc.max_model_len), page_size, self.device)
         self.seqs: dict[str, Sequence] = {}
         self.committed: dict[str, int] = {}  # stream length; token_ids past it are drafts
+
+    @classmethod
+    def from_config(cls, config, *, target_dir: str | None = None) -> ModelDrafter:
+        return cls(model=config.draft_model, target_dir=target_dir, device=config.device)
+
+    @classmethod
+    def config_problem(cls, config) -> tuple[str, str] | None:
+        return ("draft_model", "is needed with speculative_method=model") if not config.draft_model else None
+
+    @classmethod
+    def cost_for(cls, config, *, target_dir: str | None = None) -> float:
+        """The draft model's weights over the target's (a decode step reads its weights once)."""
+        from services.models import resolve_model
+
+        try:
+            return _size_ratio(Path(resolve_model(config.draft_model)), Path(target_dir))
+        except Exception:  # a folder this process cannot see (the draft service's host)
+            return cls.UNKNOWN_COST
 
     def has(self, request_id: str) -> bool:
         return request_id in self.seqs

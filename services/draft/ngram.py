@@ -18,11 +18,21 @@ class NgramDrafter(Drafter):
     name = "ngram"
     cost_per_token = 0.0
 
-    def __init__(self, *, min_n: int = 2, max_n: int = 4, **_ignored):
+    def __init__(self, *, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.streams: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_config(cls, config, *, target_dir: str | None = None) -> NgramDrafter:
+        return cls(min_n=config.ngram_min, max_n=config.ngram_max)
+
+    @classmethod
+    def config_problem(cls, config) -> tuple[str, str] | None:
+        if not 1 <= config.ngram_min <= config.ngram_max:
+            return "ngram_min", "must be in [1, ngram_max]"
+        return None
 
     def has(self, request_id: str) -> bool:
         return request_id in self.streams

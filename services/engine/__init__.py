@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "EngineConfig": "services.engine.config",
     "LLMEngine": "services.engine.engine",
+    "AsyncEngine": "services.engine.async_api",
+    "configure_torch": "services.engine.process",
+    "build_engine": "services.engine.process",
     "CacheTierHooks": "services.engine.tier_hooks",
     "NoTierHooks": "services.engine.tier_hooks",
     "TierHooksList": "services.engine.tier_hooks",
@@ -26,8 +29,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from services.engine.async_api import AsyncEngine
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
+    from services.engine.process import build_engine, configure_torch
     from services.engine.outputs import Completion, EngineStats, PrefillResult, RequestError
     from services.engine.model_config import ModelConfig, UnsupportedModelError
     from services.engine.tier_hooks import CacheTierHooks, NoTierHooks, TierHooksList

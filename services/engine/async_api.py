@@ -1,11 +1,16 @@
 """The asyncio face of the engine: streams, prefill-only calls, the engine thread.
 
-Steps run back to back on the engine's own thread (``engine_thread.py``; torch
-releases the GIL in its kernels), so the event loop stays free and the next step
-never waits for the loop to hand out the last step's tokens. Requests reach the
-engine through its mailbox; the thread sleeps when there is no work. Services
-build the engine with ``await LLMEngine.create(config)``, which loads it on that
-same thread (why that matters: ``engine_thread.py``).
+:class:`AsyncEngine` wraps an :class:`~services.engine.engine.LLMEngine` and drives it through
+its public calls only (``add_*``, ``abort``, ``step``, ``abort_all``). Steps run back to back on
+the engine's own thread (``engine_thread.py``; torch releases the GIL in its kernels), so the
+event loop stays free and the next step never waits for the loop to hand out the last step's
+tokens. Requests reach the engine through its mailbox; the thread sleeps when there is no work.
+Services build it with ``await AsyncEngine.create(config)``, which loads the engine on that same
+thread (why that matters: ``engine_thread.py``).
+
+Everything else an AsyncEngine is asked for (``block_manager``, ``scheduler``, ``stats``,
+``generate_sync`` ...) is the wrapped engine's, so a service reads its engine's state through
+the one object it holds.
 """
 
 from __future__ import annotations
@@ -13,47 +18,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence as Seq
-
-import torch
+from collections.abc import AsyncIterator, Sequence as Seq
+from typing import TYPE_CHECKING
 
 from schemas.engine import RequestOutput, SamplingParams, TokenLogprob
 from services.engine.engine_thread import EngineThread
 from services.engine.outputs import PrefillResult, RequestError
 
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
 log = logging.getLogger(__name__)
 
 
-class AsyncEngineMixin:
-    """Mixed into LLMEngine; uses its add_* / abort / step / has_unfinished."""
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._thread: EngineThread | None = None
 
-    _queues: dict[str, asyncio.Queue]
-    _thread: EngineThread | None
-
-    def _init_async(self) -> None:
-        self._queues = {}
-        self._thread = None
-        # set by the engine thread: hands outputs to the event loop now (True) or declines (False)
-        self.post_outputs: Callable[[list], bool] | None = None
+    def __getattr__(self, name: str):
+        # only names this class lacks: the wrapped engine's state and sync calls
+        if name == "engine":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     @classmethod
-    async def create(cls, *args, **kwargs):
-        """Build the engine on a new engine thread, which then steps it (services use this)."""
+    async def create(cls, config: EngineConfig | None = None, **kwargs) -> AsyncEngine:
+        """Build the engine on a new engine thread, which then steps it (services use this).
+        The thread makes the process-wide torch settings first (``process.build_engine``)."""
+        from services.engine.process import build_engine
+
         thread = EngineThread()
         try:
-            engine = await thread.run(lambda: cls(*args, **kwargs))
+            engine = await thread.run(lambda: build_engine(config, **kwargs))
         except BaseException:
             thread.stop()
             raise
-        engine._adopt(thread)
-        return engine
+        driver = cls(engine)
+        driver._adopt(thread)
+        return driver
 
-    def _adopt(self, thread: EngineThread) -> None:
-        thread.engine = self
-        self._thread = thread
-        self.post_outputs = thread.post
+    # ---- streams ---------------------------------------------------------------------------
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -63,7 +73,7 @@ class AsyncEngineMixin:
         Validation errors (RequestError) are raised at the first ``anext``.
         """
         request_id = request_id or uuid.uuid4().hex
-        return self._stream(request_id, lambda: self.add_request(request_id, prompt, params))
+        return self._stream(request_id, lambda: self.engine.add_request(request_id, prompt, params))
 
     async def prefill(
         self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -75,12 +85,12 @@ class AsyncEngineMixin:
         """
         request_id = request_id or uuid.uuid4().hex
         out = None
-        async with contextlib.aclosing(self._stream(request_id, lambda: self.add_prefill_request(
+        async with contextlib.aclosing(self._stream(request_id, lambda: self.engine.add_prefill_request(
                 request_id, prompt, params, skip_pages=skip_pages))) as outputs:
             async for out in outputs:
                 if out.finished:
                     break
-        result = self.take_prefill_result(request_id)
+        result = self.engine.take_prefill_result(request_id)
         if result is None:
             raise RuntimeError(f"prefill of {request_id!r} produced no pages ({out.finish_reason})")
         return result
@@ -98,20 +108,20 @@ class AsyncEngineMixin:
         kv_scales: Seq[float] = (),
         kv_first_page: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request prefilled elsewhere (see :meth:`add_prefilled_request`).
+        """Stream a request prefilled elsewhere (see ``LLMEngine.add_prefilled_request``).
 
         Validation errors (RequestError) are raised at the first ``anext``.
         """
         request_id = request_id or uuid.uuid4().hex
-        return self._stream(request_id, lambda: self.add_prefilled_request(
+        return self._stream(request_id, lambda: self.engine.add_prefilled_request(
             request_id, prompt_token_ids, first_token_id, kv, params, num_cached_tokens=num_cached_tokens,
             first_logprob=first_logprob, kv_scales=kv_scales, kv_first_page=kv_first_page))
 
     def provide_kv(self, request_id: str, kv: torch.Tensor | None, kv_scales: Seq[float] = (),
                    kv_first_page: int | None = None) -> bool:
         """Hand over the pages of a request streamed by :meth:`generate_prefilled` with ``kv=None``
-        (see :meth:`import_kv`; ``None``: compute its prompt here instead)."""
-        taken = self.import_kv(request_id, kv, kv_scales, kv_first_page)
+        (see ``LLMEngine.import_kv``; ``None``: compute its prompt here instead)."""
+        taken = self.engine.import_kv(request_id, kv, kv_scales, kv_first_page)
         self._wake()
         return taken
 
@@ -135,8 +145,37 @@ class AsyncEngineMixin:
             if self._queues.get(request_id) is queue:
                 del self._queues[request_id]
             if not finished:
-                self.abort(request_id)
+                self.engine.abort(request_id)
                 self._wake()
+
+    def deliver(self, outputs: list, error: Exception | None) -> None:
+        """On the event loop: hand each output (or the step's error) to its stream."""
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                if error is None and out.error is not None:  # this request failed alone
+                    queue.put_nowait(RequestError(out.error))
+                else:
+                    queue.put_nowait(error if error is not None else out)
+
+    async def aclose(self) -> None:
+        """Stop the engine thread (pending streams see no more outputs)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.stop()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _adopt(self, thread: EngineThread) -> None:
+        other = self.engine.driver
+        if other is not None and other is not self:
+            other.release()  # another AsyncEngine over the same engine: only one thread steps it
+        thread.driver = self
+        self._thread = thread
+        self.engine.driver = self
 
     def _ensure_thread(self) -> None:
         thread = self._thread
@@ -150,8 +189,34 @@ class AsyncEngineMixin:
         if thread is not None:
             thread.work.set()
 
-    def _claim_sync(self) -> None:
-        """Before a step from outside the engine thread: the thread must be gone. One left by a
+    def step_on_thread(self) -> tuple[list[RequestOutput], Exception | None]:
+        """On the engine thread: one step, holding the core lease where engines share this host's
+        cores (core_lease.py). A step that fails aborts every request: its error goes to them all."""
+        lease = self.engine.core_lease
+        try:
+            with lease if lease is not None else contextlib.nullcontext():
+                return self.engine.step(), None
+        except Exception as exc:  # a bug in a step must not hang every stream
+            log.exception("engine step failed; failing every running request")
+            return self.engine.abort_all(), RuntimeError(f"engine step failed: {exc!r}")
+
+    # ---- what LLMEngine.step asks its driver --------------------------------------------------
+
+    def before_step(self) -> None:
+        """Before a step: from the engine thread, go on; from any other thread, the engine thread
+        must be gone (:meth:`release`)."""
+        thread = self._thread
+        if thread is not None and not thread.is_current():
+            self.release()
+
+    def post_early(self, outputs: list[RequestOutput]) -> bool:
+        """From a step in progress: hand ``outputs`` to their streams now, before the forward pass.
+        False when no event loop listens (the step then returns them)."""
+        thread = self._thread
+        return thread is not None and thread.post(outputs)
+
+    def release(self) -> None:
+        """Stop stepping from this driver's thread so that another may step. A thread left by a
         closed event loop is stopped; one serving a live loop means a caller mixed the sync and
         async APIs on one engine, which would step it from two threads at once."""
         thread = self._thread
@@ -163,27 +228,4 @@ class AsyncEngineMixin:
                                "don't call step() or generate_sync() beside it")
         thread.stop()
         thread.join()
-        self._thread = None
-
-    def deliver(self, outputs: list, error: Exception | None) -> None:
-        """On the event loop: hand each output (or the step's error) to its stream."""
-        for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                if error is None and out.error is not None:  # this request failed alone
-                    queue.put_nowait(RequestError(out.error))
-                else:
-                    queue.put_nowait(error if error is not None else out)
-
-    def fail_all(self) -> list[RequestOutput]:
-        """On the engine thread: abort every request after a failed step; their final outputs."""
-        return [self._finish(seq, "abort", []) for seq in list(self._seqs.values())]
-
-    async def aclose(self) -> None:
-        """Stop the engine thread (pending streams see no more outputs)."""
-        thread = self._thread
-        if thread is None:
-            return
-        thread.stop()
-        await asyncio.to_thread(thread.join)
         self._thread = None

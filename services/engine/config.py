@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from services.config import ConfigError
-from services.engine.block_manager import ASYNC_LOAD_MIN_PAGES, LOAD_TIMEOUT_S
+from services.engine.load_back import ASYNC_LOAD_MIN_PAGES, LOAD_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
@@ -108,7 +108,8 @@ class EngineConfig:
     """Load the model's tokenizer for text prompts, streamed text and stop strings."""
 
     speculative_method: str | None = None
-    """Speculative decoding's drafter: ngram (prompt lookup) or model (draft_model); None: off."""
+    """Speculative decoding's drafter, by name (services.draft.base.DRAFTERS: ngram, prompt lookup;
+    model, a small draft model); None: off."""
 
     speculative_greedy_only: bool = False
     """With speculative_method: draft only for greedy requests (temperature 0), whose output is the
@@ -166,14 +167,13 @@ class EngineConfig:
                 parse_spec(self.core_lease)
             except ValueError as e:
                 bad("core_lease", str(e))
-        if self.speculative_method not in (None, "ngram", "model"):
-            bad("speculative_method", "must be ngram or model (or unset)")
         if not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", "must be in [1, 16]")
-        if self.speculative_method == "model" and not self.draft_model:
-            bad("draft_model", "is needed with speculative_method=model")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            bad("ngram_min", "must be in [1, ngram_max]")
+        from services.draft.base import speculative_method_problem  # the drafter registry says
+
+        problem = speculative_method_problem(self)
+        if problem is not None:
+            bad(*problem)
 
     @property
     def effective_mem_fraction(self) -> float:

@@ -1,4 +1,4 @@
-"""The engine thread: the one thread of a process that does its torch work.
+"""The engine thread: the one thread of a process that runs its OpenMP parallel regions (torch compute).
 
 It runs submitted jobs (building the engine, copying KV pages) and, while an event loop streams
 from the engine, steps it back to back, handing each step's outputs to the loop with one
@@ -8,8 +8,10 @@ NOTE: keep every OpenMP parallel region of a process on one thread. libgomp give
 that opens a parallel region its own pool of workers, and once a second pool exists the first
 one's steps slow down: on the 2-core dev VM a decode step of the default model took 24 ms when
 one thread built and stepped the engine, and 34 ms when the main thread had run a single matmul
-first (docs/engine.md, "Threads"). So ``LLMEngine.create`` builds the engine here, and work that
-touches big tensors (KV page copies) goes through :meth:`submit`.
+first (docs/engine.md, "Threads"). So ``AsyncEngine.create`` builds the engine here, and work that
+touches big tensors (KV page copies) goes through :meth:`submit`. Helper threads that move pages
+open no parallel region: on CPU the HiCache copy thread and the shared-memory transfer copy with a
+plain memcpy (numpy), and on CUDA they only queue copies on a stream.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 
 class EngineThread:
     def __init__(self, name: str = "kvbus-engine"):
-        self.engine = None  # set by the engine that adopts this thread
+        self.driver = None  # the async_api.AsyncEngine that adopts this thread
         self.loop: asyncio.AbstractEventLoop | None = None  # where outputs go
         self.work = threading.Event()
         self._jobs: deque[tuple[Callable, concurrent.futures.Future]] = deque()
@@ -57,11 +59,11 @@ class EngineThread:
         """From a step in progress: hand ``outputs`` to the event loop now, before the step's
         forward pass (the first token of a request whose prefill ran elsewhere). False when no
         loop listens (the step then returns them)."""
-        loop, engine = self.loop, self.engine
-        if not self.is_current() or loop is None or engine is None or loop.is_closed():
+        loop, driver = self.loop, self.driver
+        if not self.is_current() or loop is None or driver is None or loop.is_closed():
             return False
         try:
-            loop.call_soon_threadsafe(engine.deliver, outputs, None)
+            loop.call_soon_threadsafe(driver.deliver, outputs, None)
         except RuntimeError:  # closed meanwhile
             return False
         return True
@@ -86,26 +88,17 @@ class EngineThread:
     def _main(self) -> None:
         while not self._stopping:
             self._run_jobs()
-            engine, loop = self.engine, self.loop
+            driver, loop = self.driver, self.loop
             if loop is not None and loop.is_closed():  # asyncio.run() ended: sync callers may step now
                 break
-            if engine is None or loop is None or not engine.has_unfinished():
+            if driver is None or loop is None or not driver.engine.has_unfinished():
                 self.work.wait()
                 self.work.clear()
                 continue
-            lease = getattr(engine, "core_lease", None)  # engines sharing this host's cores take turns (core_lease.py)
-            try:
-                if lease is None:
-                    outputs, error = engine.step(), None
-                else:
-                    with lease:
-                        outputs, error = engine.step(), None
-            except Exception as exc:  # a bug in a step must not hang every stream
-                log.exception("engine step failed; failing every running request")
-                outputs, error = engine.fail_all(), RuntimeError(f"engine step failed: {exc!r}")
+            outputs, error = driver.step_on_thread()
             if outputs:
                 try:
-                    loop.call_soon_threadsafe(engine.deliver, outputs, error)
+                    loop.call_soon_threadsafe(driver.deliver, outputs, error)
                 except RuntimeError:  # that loop is closed: nobody is listening any more
                     pass
         while self._jobs:  # nobody will run these now

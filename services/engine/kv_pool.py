@@ -68,6 +68,11 @@ class KVPool:
         scale = torch.tensor(fp8_scale, dtype=torch.float32, device=device) if self.is_fp8 else None
         self.k_scale = self.v_scale = scale
 
+    def copy_rows(self, src: int, dst: int, num_rows: int) -> None:
+        """Copy the first ``num_rows`` rows (tokens) of page ``src`` into page ``dst``, every layer, K and V
+        (the block manager's tail reuse, ``tails.py``)."""
+        self.data[dst, :, :, :num_rows] = self.data[src, :, :, :num_rows]
+
     @property
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()

@@ -1,9 +1,16 @@
-"""Turns a scheduled batch into model inputs, runs the forward pass, samples."""
+"""Turns a scheduled batch into model inputs, runs the forward pass, samples or verifies.
+
+One step: :meth:`ModelRunner.prepare` (packed ids, positions, attention metadata, which rows
+sample), the model's forward, then :meth:`ModelRunner.sample` over the rows described by
+:class:`LogitsRows` (plain rows through ``sampling.sample_tokens``, verifying ones through
+``spec_decode.verify``). Between the two sits the one seam for changing logits per request.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +23,33 @@ from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """Whose each row of a step's logits is: sequence ``seqs[i]`` owns ``counts[i]`` rows from
+    ``starts[i]`` on. Its row j scores the token after its last token and its first j drafts
+    (``seq.draft_tokens[:j]``): j = 0 for a plain row, 0..k for a sequence verifying k drafts."""
+
+    seqs: list[Sequence]
+    counts: list[int]
+    starts: list[int]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, seqs: list[Sequence]) -> LogitsRows:
+        """The rows of ``batch``'s sampling sequences ``seqs`` (``prepare``'s): its decode
+        sequences first, 1 + k rows each, then the prompts that completed, one row each."""
+        nd = batch.num_decode
+        counts = batch.num_new_tokens[:nd] + [1] * (len(seqs) - nd)
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        return cls(seqs, counts, starts)
+
+    @property
+    def is_verifying(self) -> bool:
+        """Whether any sequence verifies drafts (else one row per sequence)."""
+        return any(c > 1 for c in self.counts)
 
 
 def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -113,22 +147,29 @@ class ModelRunner:
         self.last_forward_seconds = time.perf_counter() - t0
         if not sampling_seqs:
             return [], [], [], {}
-        nd = batch.num_decode
-        counts = batch.num_new_tokens[:nd] + [1] * (len(sampling_seqs) - nd)
-        if all(c == 1 for c in counts):
-            tokens, logprobs, errors = sample_tokens(logits, sampling_seqs)
-            return sampling_seqs, [[t] for t in tokens], [[lp] for lp in logprobs], errors
-        # Speculative step: plain rows sample together; each verifying sequence on its rows.
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        logits_rows = LogitsRows.of(batch, sampling_seqs)
+        # NOTE: the one place the logits may change before they are sampled or verified: a
+        # per-row logits-processor chain (grammar masks, penalties, logit_bias, min_tokens) is
+        # one call here, ``logits = processors.apply(logits, logits_rows)``.
+        return self.sample(logits, logits_rows)
+
+    def sample(
+        self, logits: torch.Tensor, rows: LogitsRows
+    ) -> tuple[list[Sequence], list[list[int]], list[list[TokenLogprob | None]], dict[int, str]]:
+        """Plain rows sample together; each verifying sequence runs the acceptance rule on its rows."""
+        seqs, counts, starts = rows.seqs, rows.counts, rows.starts
+        if not rows.is_verifying:
+            tokens, logprobs, errors = sample_tokens(logits, [s.params for s in seqs],
+                                                     [s.num_output_tokens for s in seqs])
+            return seqs, [[t] for t in tokens], [[lp] for lp in logprobs], errors
         plain = [i for i, c in enumerate(counts) if c == 1]
-        out_tokens: list[list[int]] = [[] for _ in sampling_seqs]
-        out_lps: list[list[TokenLogprob | None]] = [[] for _ in sampling_seqs]
+        out_tokens: list[list[int]] = [[] for _ in seqs]
+        out_lps: list[list[TokenLogprob | None]] = [[] for _ in seqs]
         errors: dict[int, str] = {}
         if plain:
             idx = torch.tensor([starts[i] for i in plain], dtype=torch.int64, device=logits.device)
-            tokens, logprobs, plain_errors = sample_tokens(logits[idx], [sampling_seqs[i] for i in plain])
+            tokens, logprobs, plain_errors = sample_tokens(logits[idx], [seqs[i].params for i in plain],
+                                                           [seqs[i].num_output_tokens for i in plain])
             for j, (i, t, lp) in enumerate(zip(plain, tokens, logprobs)):
                 out_tokens[i], out_lps[i] = [t], [lp]
                 if j in plain_errors:
@@ -136,8 +177,8 @@ class ModelRunner:
         for i, c in enumerate(counts):
             if c == 1:
                 continue
-            seq = sampling_seqs[i]
-            rows_i = logits[starts[i] : starts[i + 1]]
+            seq = seqs[i]
+            rows_i = logits[starts[i] : starts[i] + c]
             q = seq.draft_probs[: c - 1] if seq.draft_probs is not None else None
             try:
                 toks = verify(rows_i, seq.draft_tokens[: c - 1], q, seq.params, seq.num_output_tokens)
@@ -147,7 +188,7 @@ class ModelRunner:
                 errors[i] = "the sampler failed for this request's parameters"
                 continue
             out_tokens[i] = toks
-        return sampling_seqs, out_tokens, out_lps, errors
+        return seqs, out_tokens, out_lps, errors
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[int], seq: Sequence) -> list[TokenLogprob | None]:

@@ -59,6 +59,10 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def is_verifying(self, i: int) -> bool:
+        """Whether sequence ``i`` verifies drafts this step (a decode sequence with 1 + k rows)."""
+        return i < self.num_decode and self.num_new_tokens[i] > 1
+
 
 class Scheduler:
     def __init__(
@@ -226,7 +230,7 @@ class Scheduler:
                 # generated token is left to compute. When pages before the imported
                 # ones left this pool since the worker counted them, those are
                 # computed first (chunks capped by _uncomputed) and the engine writes
-                # the imported pages when they are done (LLMEngine._close_import_gap).
+                # the imported pages when they are done (KVHandoff.close_gap).
                 have = seq.num_computed_tokens // self.bm.page_size
                 if have >= seq.imported_first_page:
                     seq.import_from_page = have

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from schemas.engine import FinishReason, SamplingParams
+from schemas.engine import FinishReason, SamplingParams, Usage
 
 
 class SequenceStatus(enum.Enum):
@@ -108,3 +108,30 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def stop_reason(self, token: int) -> FinishReason | None:
+        """Why this sequence stops after its newly appended ``token``, if it does."""
+        if token in self.stop_token_ids:
+            return "stop"
+        if self.detok is not None and self.detok.add(token):
+            return "stop"
+        if self.num_output_tokens >= self.max_output_tokens:
+            return "length"
+        return None
+
+    def usage(self) -> Usage:
+        """What this request consumed, as its final output reports it."""
+        host = min(self.num_loaded_tokens, self.num_cached_tokens)
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            cached_prompt_tokens=self.num_cached_tokens,
+            completion_tokens=self.num_output_tokens,
+            draft_tokens=self.num_drafted_tokens,
+            accepted_draft_tokens=self.num_accepted_tokens,
+            mean_accepted_length=(
+                (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps if self.num_spec_steps else 0.0
+            ),
+            draft_seconds=round(self.draft_seconds, 6),
+            cached_tokens_device=self.num_cached_tokens - host,
+            cached_tokens_host=host,
+        )

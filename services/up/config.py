@@ -17,12 +17,12 @@ from typing import Literal
 
 from services import config as cfg
 from services.config import ConfigError
+from services.draft.base import DRAFTERS
 from services.kv_store.policies import WRITE_POLICIES
 from services.workers.config import TRANSFER_BACKENDS
 
 Layout = Literal["auto", "aggregated", "disaggregated"]
 CoreSharing = Literal["auto", "split", "share", "lease"]
-Speculative = Literal["auto", "ngram", "model", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftPlacement = Literal["local", "remote"]
 
@@ -70,10 +70,11 @@ class UpConfig:
     engine_args: str = ""
     """more options for every engine worker, e.g. "--max-running-requests 8 --page-size 32" (they come
     after kvbus up's own defaults, so they win over them)"""
-    speculative: Speculative = "auto"
+    speculative: str = "auto"
     """speculative decoding on the decode (or aggregated) workers. auto: n-gram drafts for greedy
-    requests only, whose output is the same token for token (sampled ones decode plainly); ngram /
-    model: that drafter for every request; off: none (docs/speculative.md)"""
+    requests only, whose output is the same token for token (sampled ones decode plainly); a drafter's
+    name (services.draft.base.DRAFTERS: ngram, model): that drafter for every request; off: none
+    (docs/speculative.md)"""
     num_speculative_tokens: int = 4
     """most tokens drafted per step"""
     draft_model: str | None = None
@@ -131,6 +132,9 @@ class UpConfig:
                 raise ConfigError(f"--{name} must be a port or 0 (a free one), got {port}")
         if self.aggregated and (self.prefill or self.decode or self.layout == "disaggregated"):
             raise ConfigError("--aggregated contradicts --prefill/--decode/--layout disaggregated")
+        if self.speculative not in ("auto", "off") and self.speculative not in DRAFTERS:
+            raise ConfigError(f"--speculative must be auto, off or a drafter ({', '.join(DRAFTERS.names())}), "
+                              f"got {self.speculative!r}")
         if self.kv_transfer not in TRANSFER_BACKENDS:
             raise ConfigError(f"--kv-transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.kv_transfer!r}")
         if self.hicache_write_policy not in WRITE_POLICIES:

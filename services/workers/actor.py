@@ -45,7 +45,12 @@ class EngineWorker(Actor):
 
     def __init__(self, config: WorkerConfig, *, worker_id: str | None = None, engine=None):
         super().__init__(config, worker_id=worker_id)
+        if engine is not None:  # built by a test: an LLMEngine is driven through its own AsyncEngine
+            from services.engine.async_api import AsyncEngine
+
+            engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
         self.engine = engine
+        """The AsyncEngine this worker streams from (its engine's state reads through it)."""
         self.host_id = config.host_id or default_host_id()
         self._heartbeat_task: asyncio.Task | None = None
         self.is_draining = False
@@ -85,9 +90,9 @@ class EngineWorker(Actor):
             hooks.append(self.tier)
             self.metrics.attach_tier(self.tier)
         if self.engine is None:
-            from services.engine import LLMEngine
+            from services.engine.async_api import AsyncEngine
 
-            self.engine = await LLMEngine.create(self.config.engine_config, tier_hooks=hooks)
+            self.engine = await AsyncEngine.create(self.config.engine_config, tier_hooks=hooks)
         else:  # an engine built by a test: plug the listeners in beside the ones it has
             from services.engine.tier_hooks import CacheTierHooks, TierHooksList
 
@@ -101,12 +106,12 @@ class EngineWorker(Actor):
         await super().start(bus)
         c = self.config
         if c.speculative_method and c.draft_placement == "remote" and self.engine.drafter is None:
+            from services.draft.base import drafter_class
             from services.draft.client import BusDrafter
 
-            self.engine.set_drafter(BusDrafter(
-                bus, asyncio.get_running_loop(), self.worker_id, timeout=c.draft_timeout,
-                cost_per_token=0.0 if c.speculative_method == "ngram" else 0.4,
-            ))
+            cost = drafter_class(c.speculative_method).cost_for(c, target_dir=str(self.engine.model_dir))
+            self.engine.set_drafter(BusDrafter(bus, asyncio.get_running_loop(), self.worker_id,
+                                               timeout=c.draft_timeout, cost_per_token=cost))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         await bus.serve(KV_EVENTS_DUMP, self.handle_kv_dump, worker_id=self.worker_id)
         self.kv_events.start(bus)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import EngineConfig, LLMEngine
+from services.engine import AsyncEngine, EngineConfig, LLMEngine, build_engine
 
 MAX_NEW_TOKENS = 64
 
@@ -103,10 +103,11 @@ def hf_greedy(request, model_dir, prompt_ids) -> list[list[int]]:
 def make_engine(model_dir, **overrides) -> LLMEngine:
     opts = dict(model=str(model_dir), dtype="float32", kv_cache_memory=0.25, page_size=16)
     opts.update(overrides)
-    return LLMEngine(EngineConfig(**opts))
+    return build_engine(EngineConfig(**opts))  # as the engine thread does at a service's start
 
 
 @pytest.fixture(scope="session")
-def engine(model_dir) -> LLMEngine:
-    """The default fp32 engine, shared; tests must leave it idle."""
-    return make_engine(model_dir)
+def engine(model_dir) -> AsyncEngine:
+    """The default fp32 engine, shared, behind its async face (its sync calls and state read
+    through); tests must leave it idle."""
+    return AsyncEngine(make_engine(model_dir))

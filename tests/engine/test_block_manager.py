@@ -278,7 +278,7 @@ def test_double_free_is_caught():
     pid = s.page_ids[0]
     bm.free(s)
     with pytest.raises(AssertionError):
-        bm._unref(pid)
+        bm.unref(pid)
 
 
 def test_rejects_bad_sizes():
@@ -314,9 +314,9 @@ class AsyncTier(FakeTier):
     wait_loaded = lambda self, timeout: self.poll_loaded()  # noqa: E731
 
 
-def async_bm(tokens, num_pages=8):
+def async_bm(tokens, num_pages=8, **kw):
     tier = AsyncTier(page_hashes(tokens, PS))
-    bm = BlockManager(num_pages, PS, hooks=tier)
+    bm = BlockManager(num_pages, PS, hooks=tier, **kw)
     bm.async_load_min_pages = 2
     return bm, tier
 
@@ -552,12 +552,13 @@ class FakePool:
     def rows(self, page_id, n):
         return [int(self.data[page_id, 0, 0, r, 0, 0]) for r in range(n)]
 
+    def copy_rows(self, src, dst, n):  # as KVPool.copy_rows
+        self.data[dst, :, :, :n] = self.data[src, :, :, :n]
+
 
 def bound_bm(num_pages=16, hooks=None, **kw):
-    bm = BlockManager(num_pages, PS, hooks=hooks, **kw)
     pool = FakePool(num_pages)
-    bm.bind(pool)
-    return bm, pool
+    return BlockManager(num_pages, PS, hooks=hooks, copy_rows=pool.copy_rows, **kw), pool
 
 
 def finish(bm, pool, seq, computed=None):
@@ -646,11 +647,10 @@ class TailTier(CacheTierHooks):
 def test_a_tail_evicted_from_l1_is_loaded_back_from_the_lower_tier():
     tokens = list(range(100, 111))
     hashes = page_hashes(tokens, PS)
-    bm = BlockManager(8, PS, hooks=[])
     pool = FakePool(8)
+    bm = BlockManager(8, PS, hooks=[], copy_rows=pool.copy_rows)
     tier = TailTier(pool, {hash_tail(hashes[1], tuple(tokens[8:10])): tuple(tokens[8:10])})
     bm.hooks = tier
-    bm.bind(pool)
     pool.data.fill_(-1)
     warm = make_seq(tokens[:8] + [1], "warm")  # L1 holds the two full pages, not the tail
     bm.allocate(warm)
@@ -666,10 +666,9 @@ def test_a_tail_evicted_from_l1_is_loaded_back_from_the_lower_tier():
 
 def test_an_async_load_takes_the_tail_when_it_lands():
     tokens = list(range(14))  # 3 full pages in the tier; then a tail of tokens 12, 13
-    bm, tier = async_bm(tokens + [50, 51, 52])
-    tier.held = page_hashes(tokens, PS)
     pool = FakePool(8)
-    bm.bind(pool)
+    bm, tier = async_bm(tokens + [50, 51, 52], copy_rows=pool.copy_rows)
+    tier.held = page_hashes(tokens, PS)
     tail_tokens = (12, 13)
     tier.find_tail = lambda hs: next((i for i, h in enumerate(hs) if h == hash_tail(tier.held[2], tail_tokens)), None)
     tier.load_back = lambda hs, toks, ps: len(ps)
@@ -714,9 +713,8 @@ class GarbageTier(TailTier):
 @pytest.mark.parametrize("tier_cls", [TailTier, GarbageTier], ids=["longer-in-l2", "l2-load-fails"])
 def test_a_longer_tail_in_the_lower_tier_beats_fewer_rows_in_l1(tier_cls):
     tokens = list(range(100, 112))  # pages [100-103] [104-107], then 108, 109, 110 ...
-    bm = BlockManager(16, PS, hooks=[])
     pool = FakePool(16)
-    bm.bind(pool)
+    bm = BlockManager(16, PS, hooks=[], copy_rows=pool.copy_rows)
     short = make_seq(tokens[:9] + [55, 56, 57], "short")  # leaves page 2 = 108, 55, 56 (+57 uncomputed)
     finish(bm, pool, short)
     parent = page_hashes(tokens, PS)[1]

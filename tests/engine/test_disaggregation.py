@@ -204,7 +204,7 @@ def test_pages_for_a_request_gone_meanwhile_are_dropped(engine, prompt_ids):
         await anext(stream)
         await stream.aclose()  # the caller left: aborted while its pages were in transit
         deadline = asyncio.get_running_loop().time() + 60
-        while engine.has_unfinished() or engine._awaiting_kv:  # the abort reaches the engine thread
+        while engine.has_unfinished() or engine.handoff.awaiting:  # the abort reaches the engine thread
             assert asyncio.get_running_loop().time() < deadline, "the abort was never processed"
             await asyncio.sleep(0.01)
         return engine.provide_kv("gone", result.kv, result.kv_scales)

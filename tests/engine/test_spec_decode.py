@@ -179,14 +179,14 @@ def test_row_cost_is_measured_holding_the_core_lease(spec_engine):
             self.held = False
 
     lease, seen = Lease(), []
-    saved = spec_engine.core_lease
-    spec_engine.core_lease = lease
-    spec_engine.model.projection_seconds = lambda rows: seen.append((rows, lease.held)) or 0.01 * rows
+    speculator = spec_engine.speculator
+    saved = speculator.core_lease, speculator.projection_seconds
+    speculator.core_lease = lease
+    speculator.projection_seconds = lambda rows: seen.append((rows, lease.held)) or 0.01 * rows
     try:
-        cost = spec_engine._measure_row_cost()
+        cost = speculator.measure_row_cost()
     finally:
-        del spec_engine.model.projection_seconds  # the instance attribute: back to the method
-        spec_engine.core_lease = saved
+        speculator.core_lease, speculator.projection_seconds = saved
     assert seen == [(1, True), (32, True)] and not lease.held
     assert cost == RowCost(memory_s=0.01, row_s=0.01)
 
@@ -286,24 +286,25 @@ def test_greedy_identical_with_drafts_beside_twenty_decoding_sequences(engine, s
             rows_seen.append((batch.num_decode, sum(batch.num_new_tokens[: batch.num_decode])))
         return batch
 
-    saved = spec_engine.row_cost
+    speculator = spec_engine.speculator
+    saved = speculator.row_cost
     spec_engine.scheduler.schedule = recording
     try:
         plain = engine.generate_sync(twenty_prompts, GREEDY)
-        spec_engine.row_cost = RowCost(memory_s=1.0, row_s=0.0)  # every row free
+        speculator.row_cost = RowCost(memory_s=1.0, row_s=0.0)  # every row free
         spec = spec_engine.generate_sync(twenty_prompts, GREEDY)
         assert [a.token_ids for a in plain] == [b.token_ids for b in spec]
         assert any(n >= 12 and rows > 12 for n, rows in rows_seen), rows_seen
         rows_seen.clear()
-        spec_engine.row_cost = RowCost(memory_s=0.0, row_s=1.0)  # every row paid in full
+        speculator.row_cost = RowCost(memory_s=0.0, row_s=1.0)  # every row paid in full
         for seq_rate in (0.6, 0.95):  # (the engine's rate before a sequence's first verification: 0.6)
-            assert budget_drafts([seq_rate] * 4, [4] * 4, 20, spec_engine.row_cost, 48) == [0] * 4
+            assert budget_drafts([seq_rate] * 4, [4] * 4, 20, speculator.row_cost, 48) == [0] * 4
         spec = spec_engine.generate_sync(twenty_prompts[:12], GREEDY)
         assert [a.token_ids for a in plain[:12]] == [b.token_ids for b in spec]
         assert all(rows == n for n, rows in rows_seen if n >= 2), rows_seen
     finally:
         spec_engine.scheduler.schedule = schedule
-        spec_engine.row_cost = saved
+        speculator.row_cost = saved
     _assert_idle(spec_engine)
 
 
