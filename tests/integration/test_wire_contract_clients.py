@@ -14,6 +14,7 @@ it, and the greedy text must equal the HTTP API's. Probes reach only the client 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -36,12 +37,13 @@ from tests.leaks import engine_states, is_idle, pid_of
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = [("worker", "worker-0"), ("worker", "worker-1")]
-PROBE_INTERVAL = 0.1
+PROBE_INTERVAL = 0.05
 # A prompt whose greedy continuation has no near-tie in its first 48 tokens (top-2 logprobs at least
 # 0.05 apart, measured): fp32 sums that round differently in another batch or after a migration's
-# recompute cannot flip a token, so the text must match the HTTP API's exactly.
+# recompute cannot flip a token, so the text must match the HTTP API's exactly. 24 tokens last a few
+# probe intervals however fast the machine (10 ms a token would still be 5 intervals).
 PROMPT = "Explain how a computer works, step by step:"
-NUM_TOKENS = 48
+NUM_TOKENS = 24
 GREEDY = {"temperature": 0, "max_tokens": NUM_TOKENS, "ignore_eos": True}
 # No max_tokens: decoding to the context limit takes minutes, so only a cancel ends it early (and admission,
 # which refuses a max_tokens it cannot finish before the deadline, lets it in).
@@ -81,13 +83,18 @@ def c_client(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def system(model_dir, modules, c_client):
     # 2 aggregated workers (one to kill), 1 thread each; 2 running + 2 queued each: easy to overload.
-    # No speculation: streams keep a steady pace, well past several probe intervals. --drain-timeout 5:
-    # the worker restarting after the migration test is stopped at once.
+    # No speculation: streams keep a steady pace, well past several probe intervals.
     with LocalSystem("--aggregated", "--workers", "2", "--num-threads", "1", "--speculative", "off",
                      "--drain-timeout", "5",
                      "--engine-args", "--max-running-requests 2 --max-queue 2 --heartbeat-interval 0.5",
                      model_dir=model_dir, env={"KVBUS_PROBE_INTERVAL": str(PROBE_INTERVAL)}) as s:
         yield s
+        # The workers are idle now. The one restarted after the migration test would hold a SIGTERM
+        # until its start-up is over (services/runner.py); stopped at once, it spares the suite that
+        # start-up and the wait (kvbus up, stopped right after, restarts nothing).
+        for _, worker_id in WORKERS:
+            with contextlib.suppress(LookupError, ProcessLookupError):
+                os.kill(pid_of(s, worker_id), signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
