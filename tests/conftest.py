@@ -25,6 +25,16 @@ def model_dir() -> Path:
     return ensure_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model_dir) -> Path:
+    """A tiny random Llama (tests/tiny_model.py) with the default model's tokenizer: for tests
+    that count pages or steps, not judge text (fast on 2 cores)."""
+    from tests.tiny_model import save_tiny_model
+
+    path, _ = save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=model_dir)
+    return path
+
+
 @pytest.fixture
 def anyio_backend():
     """Async tests (``pytest.mark.anyio``) run on asyncio, like the services."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,20 +10,18 @@ import torch
 from schemas.engine import SamplingParams
 from services.engine import EngineConfig, LLMEngine
 from services.engine.model_config import ModelConfig, UnsupportedModelError
+from tests.tiny_model import save_tiny_model, tiny_config
 
-# initializer_range 0.5: peaked logits (top-1 margins >= 0.07 here), so greedy choices do not
-# hinge on last-bit differences (the default 0.02 gives near-flat logits and near-ties).
-TINY = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.5,
-)
+# The shared tiny dimensions (tests/tiny_model.py), with a 320-token vocabulary: every architecture
+# is compared with transformers' logits, and peaked logits keep greedy choices off near-ties.
+VOCAB = 320
 
 
 def _llama3():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        **TINY, tie_word_embeddings=False,
+    return tiny_config(
+        LlamaConfig, vocab_size=VOCAB,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64),
         rope_theta=500000.0,
@@ -34,40 +31,28 @@ def _llama3():
 def _llama_bias():
     from transformers import LlamaConfig
 
-    return LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, head_dim=24, tie_word_embeddings=True)
+    return tiny_config(LlamaConfig, vocab_size=VOCAB, attention_bias=True, mlp_bias=True, head_dim=24,
+                       tie_word_embeddings=True)
 
 
 def _qwen2():
     from transformers import Qwen2Config
 
-    return Qwen2Config(**TINY, tie_word_embeddings=True)
+    return tiny_config(Qwen2Config, vocab_size=VOCAB, tie_word_embeddings=True)
 
 
 def _mistral():
     from transformers import MistralConfig
 
-    return MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
-
-
-def _model_cls(config):
-    import transformers
-
-    return getattr(transformers, config.architectures[0] if config.architectures else {
-        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[config.model_type])
+    return tiny_config(MistralConfig, vocab_size=VOCAB, sliding_window=None)
 
 
 @pytest.fixture(scope="module", params=["llama3", "llama_bias", "qwen2", "mistral"])
 def tiny(request, tmp_path_factory, model_dir):
     config = {"llama3": _llama3, "llama_bias": _llama_bias, "qwen2": _qwen2, "mistral": _mistral}[request.param]()
-    torch.manual_seed(0)
-    hf = _model_cls(config)(config).eval()
-    with torch.no_grad():  # random biases, so a missing bias would show
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, max_shard_size="100KB", safe_serialization=True)
-    shutil.copy(model_dir / "tokenizer.json", path / "tokenizer.json")  # the folder check wants one
+    # random biases, so a missing bias would show; sharded, so the loader's index is exercised
+    path, hf = save_tiny_model(tmp_path_factory.mktemp(request.param), config, tokenizer_from=model_dir,
+                               random_biases=True, max_shard_size="100KB")
     return request.param, path, hf
 
 

@@ -33,12 +33,9 @@ def _write_tokenizer(path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_model import save_tiny_model, tiny_config
 
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
-    path = tmp_path_factory.mktemp("tiny-cuda")
-    hf.save_pretrained(path, safe_serialization=True)
+    path, hf = save_tiny_model(tmp_path_factory.mktemp("tiny-cuda"), tiny_config(**CONFIG))
     _write_tokenizer(path)
     return path, hf.to("cuda")
 

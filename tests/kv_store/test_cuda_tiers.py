@@ -30,11 +30,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_cuda_model(tmp_path_factory):
-    """The tiny random Llama of conftest.tiny_model, without the default model's tokenizer
+    """The tiny random Llama of tests/tiny_model.py, without the default model's tokenizer
     (the engines here run on token ids: load_tokenizer=False; the folder check wants a file)."""
-    from tests.kv_store.conftest import save_tiny_llama
+    from tests.tiny_model import save_tiny_model
 
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cuda"))
+    path, _ = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-cuda"))
     (path / "tokenizer.json").write_text("{}")
     return path
 

@@ -1,7 +1,8 @@
 """HiCache through the real engine: greedy output identical with L1 hits, L2 hits and across engines.
 
-The engines get a tiny KV pool (10 pages of 16 tokens) so L1 evicts; the kv_store
-core runs in process (LocalLink), the data path is the real shared-memory arena.
+The engines run the tiny random model (tests/tiny_model.py: these tests count pages and compare
+with a cold run, they do not judge text) with a tiny KV pool (10 pages of 16 tokens) so L1 evicts;
+the kv_store core runs in process (LocalLink), the data path is the real shared-memory arena.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import pytest
 
 from schemas.engine import SamplingParams
-from services.engine import EngineConfig, LLMEngine
+from services.engine import EngineConfig, LLMEngine, build_engine
 from services.engine.kv_pool import kv_bytes_per_page
 from services.kv_store.client import HostTierClient
 from services.kv_store.config import KVStoreConfig
@@ -31,18 +32,18 @@ def prompts(n: int, length: int = 60, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def page_gb(model_dir):
+def page_gb(tiny_model):
     from services.engine.model_config import ModelConfig
     import torch
 
-    return kv_bytes_per_page(ModelConfig.from_dir(model_dir), PAGE, torch.float32) / 1024**3
+    return kv_bytes_per_page(ModelConfig.from_dir(tiny_model), PAGE, torch.float32) / 1024**3
 
 
-def make_engine(model_dir, page_gb, hooks=None, **kw) -> LLMEngine:
+def make_engine(tiny_model, page_gb, hooks=None, **kw) -> LLMEngine:
     kw.setdefault("max_running_requests", 2)
-    cfg = EngineConfig(model=str(model_dir), kv_cache_memory=page_gb * NUM_PAGES * 1.001, page_size=PAGE,
+    cfg = EngineConfig(model=str(tiny_model), kv_cache_memory=page_gb * NUM_PAGES * 1.001, page_size=PAGE,
                        load_tokenizer=False, **kw)
-    return LLMEngine(cfg, tier_hooks=hooks)
+    return build_engine(cfg, tier_hooks=hooks)
 
 
 def run(engine: LLMEngine, prompt: list[int], rid: str = ""):
@@ -50,8 +51,8 @@ def run(engine: LLMEngine, prompt: list[int], rid: str = ""):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, page_gb):
-    engine = make_engine(model_dir, page_gb, enable_prefix_caching=False)
+def reference(tiny_model, page_gb):
+    engine = make_engine(tiny_model, page_gb, enable_prefix_caching=False)
     ps = prompts(4)
     return ps, [run(engine, p, f"ref{i}").token_ids for i, p in enumerate(ps)]
 
@@ -63,10 +64,10 @@ def core():
     core.close()
 
 
-def test_l2_hits_after_l1_eviction_are_identical(model_dir, page_gb, reference, core):
+def test_l2_hits_after_l1_eviction_are_identical(tiny_model, page_gb, reference, core):
     ps, ref = reference
     client = HostTierClient(LocalLink(core), owner="e1")
-    engine = make_engine(model_dir, page_gb, client)
+    engine = make_engine(tiny_model, page_gb, client)
     first = [run(engine, p, f"a{i}") for i, p in enumerate(ps)]
     assert [c.token_ids for c in first] == ref  # cold
     assert engine.block_manager.num_evictions > 0  # 4 prompts x 4 pages do not fit 10 pages
@@ -84,24 +85,24 @@ def test_l2_hits_after_l1_eviction_are_identical(model_dir, page_gb, reference, 
     core.index.check()
 
 
-def test_pages_written_by_one_engine_are_loaded_by_another(model_dir, page_gb, reference, core):
+def test_pages_written_by_one_engine_are_loaded_by_another(tiny_model, page_gb, reference, core):
     ps, ref = reference
     c1 = HostTierClient(LocalLink(core), owner="e1", write_policy="write_through")
-    e1 = make_engine(model_dir, page_gb, c1)
+    e1 = make_engine(tiny_model, page_gb, c1)
     assert run(e1, ps[1], "x").token_ids == ref[1]
     e1.block_manager.wait_for_copies()
     c2 = HostTierClient(LocalLink(core), owner="e2")
-    e2 = make_engine(model_dir, page_gb, c2)
+    e2 = make_engine(tiny_model, page_gb, c2)
     out = run(e2, ps[1], "y")
     assert out.token_ids == ref[1]
     assert c2.stats["loaded_back"] == (len(ps[1]) - 1) // PAGE
     core.index.check()
 
 
-def test_a_page_changed_in_l2_is_recomputed_not_served(model_dir, page_gb, reference, core):
+def test_a_page_changed_in_l2_is_recomputed_not_served(tiny_model, page_gb, reference, core):
     ps, ref = reference
     c1 = HostTierClient(LocalLink(core), owner="e1", write_policy="write_through")
-    e1 = make_engine(model_dir, page_gb, c1)
+    e1 = make_engine(tiny_model, page_gb, c1)
     run(e1, ps[2], "x")
     e1.block_manager.wait_for_copies()
     # Every L2 slot of that prompt now holds something else (as if evicted and refilled).
@@ -159,21 +160,21 @@ def test_no_page_leaks_after_many_requests_with_random_cancels(tiny_model, core,
     assert core.index.num_leased == client.num_leased  # every slot leased is either held or committed
 
 
-def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(model_dir, page_gb, reference, tmp_path):
+def test_l3_hits_survive_a_store_restart_and_corruption_is_recomputed(tiny_model, page_gb, reference, tmp_path):
     ps, ref = reference
     cfg = KVStoreConfig(hicache_size=page_gb * 4, memory_reserve=0.0, hicache_storage_dir=str(tmp_path),
                         hicache_l3_admit_hits=0)
     core = StoreCore(cfg)
     # write_through: pages reach L2 as computed (write_back would leave the last ones in L1 only,
     # and L1 and L2 are memory: a restart loses them, by design).
-    engine = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1", write_policy="write_through"))
+    engine = make_engine(tiny_model, page_gb, HostTierClient(LocalLink(core), owner="e1", write_policy="write_through"))
     for i in range(4):  # 16 pages through 4 L2 slots: the oldest spill to L3
         assert run(engine, ps[i]).token_ids == ref[i]
     assert core.counters["spilled_disk"] > 0
     core.close()
     restarted = StoreCore(cfg)  # re-indexes the directory on attach
     client = HostTierClient(LocalLink(restarted), owner="e2")
-    fresh = make_engine(model_dir, page_gb, client)
+    fresh = make_engine(tiny_model, page_gb, client)
     on_disk = set(restarted.disk.pages)
     from services.engine.page_hash import page_hashes
 
@@ -239,10 +240,10 @@ class LoadGate:
         self.opened.set()
 
 
-def warm_l2(model_dir, page_gb, core, ps, ref):
+def warm_l2(tiny_model, page_gb, core, ps, ref):
     """An engine whose L2 holds ps[0]'s and ps[1]'s pages (evicted from L1 by the others)."""
     client = HostTierClient(LocalLink(core), owner="e1")
-    engine = make_engine(model_dir, page_gb, client)
+    engine = make_engine(tiny_model, page_gb, client)
     engine.block_manager.write_back_window = 0  # copies at eviction only: the gated copy thread holds no write
     engine.block_manager.async_load_min_pages = 2
     assert [run(engine, p).token_ids for p in ps] == ref
@@ -255,10 +256,10 @@ def collect(engine, outs, steps=1):
             outs.setdefault(out.request_id, []).append(out)
 
 
-def start_gated_load(model_dir, page_gb, core, ps, ref):
+def start_gated_load(tiny_model, page_gb, core, ps, ref):
     """Request "other" (ps[1]) steps; request "loader" (ps[0]) is admitted and its L2 load is held
     on the copy thread by the returned gate."""
-    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    client, engine = warm_l2(tiny_model, page_gb, core, ps, ref)
     gate = LoadGate(client)
     outs: dict = {}
     engine.add_request("other", ps[1], GREEDY)
@@ -269,9 +270,9 @@ def start_gated_load(model_dir, page_gb, core, ps, ref):
     return client, engine, gate, outs
 
 
-def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, page_gb, reference, core):
+def test_async_load_back_lets_another_request_step_and_is_identical(tiny_model, page_gb, reference, core):
     ps, ref = reference
-    client, engine = warm_l2(model_dir, page_gb, core, ps, ref)
+    client, engine = warm_l2(tiny_model, page_gb, core, ps, ref)
     gate = LoadGate(client)
     outs: dict = {}
     engine.add_request("other", ps[1], GREEDY)  # nothing else runs: its own L2 hits load synchronously
@@ -301,9 +302,9 @@ def test_async_load_back_lets_another_request_step_and_is_identical(model_dir, p
     core.index.check()
 
 
-def test_async_load_failing_verification_partway_recomputes_the_rest(model_dir, page_gb, reference, core):
+def test_async_load_failing_verification_partway_recomputes_the_rest(tiny_model, page_gb, reference, core):
     ps, ref = reference
-    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
+    client, engine, gate, outs = start_gated_load(tiny_model, page_gb, core, ps, ref)
     from services.engine.page_hash import page_hashes
 
     second = page_hashes(ps[0], PAGE)[1]
@@ -319,9 +320,9 @@ def test_async_load_failing_verification_partway_recomputes_the_rest(model_dir, 
     assert bm.num_loading == 0 and bm.num_free_pages == bm.num_pages
 
 
-def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, reference, core):
+def test_abort_while_loading_frees_the_pages_after_the_copy(tiny_model, page_gb, reference, core):
     ps, ref = reference
-    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
+    client, engine, gate, outs = start_gated_load(tiny_model, page_gb, core, ps, ref)
     bm = engine.block_manager
     engine.abort("loader")
     collect(engine, outs)
@@ -338,9 +339,9 @@ def test_abort_while_loading_frees_the_pages_after_the_copy(model_dir, page_gb, 
     core.index.check()
 
 
-def test_a_load_held_past_its_timeout_is_recomputed_identically(model_dir, page_gb, reference, core):
+def test_a_load_held_past_its_timeout_is_recomputed_identically(tiny_model, page_gb, reference, core):
     ps, ref = reference
-    client, engine, gate, outs = start_gated_load(model_dir, page_gb, core, ps, ref)
+    client, engine, gate, outs = start_gated_load(tiny_model, page_gb, core, ps, ref)
     bm = engine.block_manager
     bm.clock = lambda: float("inf")  # from now on every load in flight is past its timeout
     for _ in range(100):  # (both need 7 steps; the copy thread still holds the load)
@@ -357,13 +358,13 @@ def test_a_load_held_past_its_timeout_is_recomputed_identically(model_dir, page_
     core.index.check()
 
 
-def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(model_dir, page_gb, core):
+def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(tiny_model, page_gb, core):
     """Chat: turn 2 is turn 1's prompt and answer plus a new message. The answer's computed rows
     (a tail, block_manager.py) are reused from L1, from L2 after L1 evicted them, and by another
     engine: the output is the cold run's, and only the answer's last token and the new message
     are computed."""
     scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    cold = make_engine(model_dir, page_gb, enable_prefix_caching=False)
+    cold = make_engine(tiny_model, page_gb, enable_prefix_caching=False)
     conversations = []
     for seed in range(3):
         rng = random.Random(seed)
@@ -374,8 +375,8 @@ def test_the_next_turn_reuses_the_answer_from_l1_from_l2_and_across_engines(mode
     del cold  # (two engines at a time: CI's process holds many)
     gc.collect()
 
-    e1 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e1"))
-    e2 = make_engine(model_dir, page_gb, HostTierClient(LocalLink(core), owner="e2"))
+    e1 = make_engine(tiny_model, page_gb, HostTierClient(LocalLink(core), owner="e1"))
+    e2 = make_engine(tiny_model, page_gb, HostTierClient(LocalLink(core), owner="e2"))
     for where, (turn1, answer, turn2, ref) in zip(("l1", "l2", "other engine"), conversations):
         reused = len(turn1) + len(answer) - 1
         assert run(e1, turn1).token_ids == answer

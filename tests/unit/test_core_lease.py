@@ -1,11 +1,10 @@
 """The core lease (services/engine/core_lease.py): one holder at a time, a release hands the lease
 to an engine that waits, a dead holder's lock is dropped by the kernel. Two CoreLease objects on
-one file behave like two processes (flock locks belong to the open file, not the process)."""
+one file behave like two processes (flock locks belong to the open file, not the process); a
+killed holder process: tests/integration/test_core_lease_process.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -75,22 +74,3 @@ def test_a_waiter_that_never_takes_it_is_forgotten(tmp_path):
     a.acquire()
     a.release()
     a.close()
-
-
-def test_a_killed_holder_does_not_block_the_others(tmp_path):
-    path = str(tmp_path / "cores.lease")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from services.engine.core_lease import CoreLease; "
-         f"CoreLease({path + ':0'!r}).acquire(); print('held', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        holder.kill()
-        holder.wait()
-        b = CoreLease(f"{path}:1")
-        b.acquire()  # the kernel dropped the dead holder's lock
-        b.release()
-        b.close()
-    finally:
-        holder.kill()
-        holder.wait()

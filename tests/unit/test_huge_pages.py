@@ -1,5 +1,5 @@
-"""services/engine/huge_pages.py: tensors carved from one mapping that asked for huge pages, and
-the engine's KV pool and packed weights held there."""
+"""services/engine/huge_pages.py: tensors carved from one mapping that asked for huge pages (the
+engine's KV pool and packed weights held there: tests/engine/test_huge_pages_engine.py)."""
 
 from __future__ import annotations
 
@@ -137,27 +137,3 @@ def test_populate_maps_every_page_and_changes_no_value(threads):
     if _can_populate():
         assert torch.equal(t[:50_000], head)
     assert t[50_000:].abs().sum().item() == 0  # the rest mapped fresh: zeros
-
-
-@needs_smaps
-def test_the_engine_keeps_its_packed_weights_on_huge_pages_and_maps_its_pool(model_dir):
-    if not THP.exists() or "[never]" in THP.read_text():
-        pytest.skip("transparent huge pages are off on this kernel")
-    from services.engine import EngineConfig, LLMEngine
-    from services.engine.linear import CpuWeight
-
-    eng = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.05, load_tokenizer=False))
-    assert not _asked_for_huge_pages(eng.kv_pool.data)  # kv_huge_pages and kv_prefault are off by default
-    assert _resident_bytes(eng.kv_pool.data) < eng.kv_pool.num_bytes / 2
-    mapped = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.05, load_tokenizer=False,
-                                    kv_huge_pages=True, kv_prefault=True))
-    assert _asked_for_huge_pages(mapped.kv_pool.data)
-    assert _resident_bytes(mapped.kv_pool.data) >= mapped.kv_pool.num_bytes
-    w = eng.model.w
-    packed = [getattr(layer, n) for layer in w.layers for n in ("qkv", "o", "gate_up", "down")] + [w.lm_head]
-    if not all(type(p) is CpuWeight for p in packed):
-        pytest.skip("no packed decode weights (native kernels not built)")
-    assert _asked_for_huge_pages(*(p.packed for p in packed))
-    # in the order a decode step reads them
-    ptrs = [p.packed.data_ptr() for p in packed]
-    assert ptrs == sorted(ptrs)
