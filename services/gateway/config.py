@@ -45,6 +45,9 @@ class GatewayConfig:
     fallback prompt's format for templates without tools) or llama3_json."""
     reasoning_parser: str | None = None
     """Split <think>...</think> out of chat replies into reasoning_content: deepseek_r1 or qwen3; none: off."""
+    session_from_user: bool = False
+    """Take the OpenAI ``user`` field as the conversation id (the router keeps a session on its worker) when the
+    request names none (body ``session_id`` or ``X-Session-ID`` header)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:

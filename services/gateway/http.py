@@ -32,7 +32,7 @@ from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_format import ChatCompletions as _ChatCompletions
 from services.gateway.openai_format import Completions as _Completions
 from services.gateway.openai_format import sse as _sse
-from services.gateway.openai_mapping import BodyTooLarge, decode_body, error_response
+from services.gateway.openai_mapping import BodyTooLarge, decode_body, error_response, with_session
 from services.gateway.openai_schemas import ErrorDetail, ErrorResponse, ModelCard, ModelList
 from services.gateway.pipeline import GenerationPipeline
 
@@ -132,7 +132,8 @@ def create_app(actor: GatewayActor) -> FastAPI:
         try:
             body = await _read_body(request, actor.config.max_request_bytes)
             openai_req = decode_body(body, kind.request_type)
-            gen_req = kind.to_generate(openai_req)
+            gen_req = with_session(kind.to_generate(openai_req), request.headers.get("x-session-id"),
+                                   openai_req.user if actor.config.session_from_user else None)
         except BusError as exc:  # refused before the pipeline: counted here
             metrics.observe_request(kind.endpoint, error_response(exc)[0],
                                     exc.code.value)

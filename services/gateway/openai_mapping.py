@@ -100,6 +100,26 @@ def chat_to_generate(req: ChatCompletionRequest) -> GenerateRequest:
                            response_format=req.response_format, chat_template_kwargs=req.chat_template_kwargs)
 
 
+MAX_SESSION_ID_CHARS = 256
+
+
+def with_session(gen: GenerateRequest, header: str | None, user: str | None) -> GenerateRequest:
+    """The conversation the router keeps on one worker: the body's ``session_id``, else the
+    ``X-Session-ID`` header, else ``user`` (the OpenAI field; the caller passes it only with
+    ``--session-from-user``). A blank header or an id past 256 characters is refused, naming it."""
+    if gen.session_id is not None:
+        return gen
+    for param, value in (("X-Session-ID", header), ("user", user)):
+        if value is None or (param == "user" and not value.strip()):
+            continue
+        if not value.strip():
+            raise BadParam(param, f"{param} must not be blank")
+        if len(value) > MAX_SESSION_ID_CHARS:
+            raise BadParam(param, f"{param} is longer than {MAX_SESSION_ID_CHARS} characters")
+        return msgspec.structs.replace(gen, session_id=value)
+    return gen
+
+
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.n != 1:  # NOTE: n > 1 needs the engine half (one prompt's pages shared by n sequences)
         raise BadParam("n", f"n must be 1: kvbus returns one choice per request (got n={req.n})")

@@ -230,4 +230,7 @@ class Router:
                 "reports_matched": str(self.num_reports_matched),
                 "cached_tokens_predicted": str(m.num_cached_predicted),
                 "cached_tokens_reported": str(m.num_cached_reported), "cached_tokens_exact": str(m.num_exact),
-                **{f"kv_{k}": str(v) for k, v in self.policy.detail().items()}}
+                **{f"kv_{k}": str(v) for k, v in self.policy.detail().items()},
+                # each worker as this router sees it: the last heartbeat plus what it sent since
+                **{f"load_{w.worker_id}": f"{w.num_requests} requests, {w.num_active_tokens} KV tokens, "
+                                          f"{w.num_prefill_tokens} to prefill" for w in self.workers.alive()}}

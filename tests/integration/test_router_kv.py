@@ -73,6 +73,15 @@ class Client:
         await async_wait(arrived, 15, f"worker reports of {num_cached} cached tokens")
         return {k: int(now[k]) - int(before[k]) for k in keys}
 
+    async def settled(self) -> None:
+        """Wait until the router sees every worker idle: a heartbeat sent after the last turn ended (a
+        worker reports every second; until then the finished turn still counts as its load)."""
+        async def idle() -> bool:
+            loads = [v for k, v in (await self.router()).items() if k.startswith("load_")]
+            return bool(loads) and all(v.startswith("0 requests, 0 KV tokens") for v in loads)
+
+        await async_wait(idle, 15, "the router seeing every worker idle")
+
     async def pages(self) -> int:
         return int((await self.router())["kv_pages_device"])
 
@@ -133,6 +142,7 @@ async def test_the_next_turn_lands_where_its_cache_is_and_the_prediction_is_exac
     assert report["cached_tokens_exact"] == report["reports_matched"] >= 1, report
     # without a session, the same conversation goes where its pages are (not by load)
     await client.index_grew(base, (len(turn2) + len(answer2) - 1) // 16 + 1)
+    await client.settled()  # else the turn that just ended is load on its worker for up to a second
     turn3 = turn2 + answer2 + words(3, 30)
     before = await client.router()
     _, cached3 = await client.turn(turn3)
@@ -164,6 +174,7 @@ async def test_router_replicas_rebuilt_from_dumps_send_a_resent_prompt_to_the_sa
     base = await client.pages()
     await client.turn(prompt)
     await client.index_grew(base, len(prompt) // 16)
+    await client.settled()
     replicas = [RouterActor(RouterConfig(worker_ttl=3.0), worker_id=f"router-replica-{i}") for i in range(2)]
     buses = [await connect(BusConfig(nats_url=aggregated.nats_url)) for _ in replicas]
     try:
