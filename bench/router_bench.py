@@ -3,7 +3,7 @@
     python -m bench.router_bench decision                 # decision time, 100,000 pages on 16 workers (~30 s)
     python -m bench.router_bench workload                 # kv against round_robin, random, least_loaded on
                                                           # 2 and 4 aggregated workers and 1P2D (~30-60 min)
-    python -m bench.router_bench workload --quick         # a smoke run: 2 workers, kv and round_robin (~3 min)
+    python -m bench.router_bench workload --quick         # a smoke run: 2 workers, kv and round_robin (3-6 min)
 
 ``decision``: a router in this process (no bus) follows 16 workers on 4 hosts; synthetic KV events
 (the ones the engines publish) fill its index with ``--pages`` device pages, chains of conversations
