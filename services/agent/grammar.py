@@ -14,8 +14,9 @@ What the engine half calls (issue 28; this module has no engine wiring of its ow
 - :class:`GrammarMatcher` per request: ``accept``, ``accept_drafts`` (how many drafted tokens the
   grammar allows), ``fill_mask``, ``rollback``, ``is_finished``; a grammar error fails that request
   alone (``error``), never the batch.
-- :func:`allocate_masks`, :func:`fill_masks` (one call for the batch, llguidance's threads, no GIL)
-  and :func:`apply_masks` (the batch's rows of the logits).
+- :func:`allocate_masks`, :func:`fill_masks` (one call for the batch, llguidance's threads, no GIL),
+  :func:`fill_masks_with_drafts` (a verifying sequence's rows) and :func:`apply_masks` (the batch's
+  rows of the logits).
 """
 
 from __future__ import annotations
@@ -255,6 +256,22 @@ def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: Any) -> None
         _executor = _llg().LLExecutor()
     _executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.data_ptr(),
                                       bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def fill_masks_with_drafts(rows: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], bitmask: Any) -> None:
+    """Speculation's rows: for each (matcher, start, drafts), ``bitmask[start]`` gets the mask now and
+    ``bitmask[start + 1 + i]`` the mask after ``drafts[:i + 1]`` (the rows a verifying sequence owns,
+    model_runner.LogitsRows). The matchers do not move. Rows after a draft the grammar forbids are left
+    as they were: cut the draft there first (``accept_drafts``)."""
+    global _executor
+    if not rows:
+        return
+    if not bitmask.is_contiguous() or bitmask.is_cuda:
+        raise ValueError("fill_masks_with_drafts needs a contiguous CPU int32 bitmask (allocate_masks)")
+    if _executor is None:
+        _executor = _llg().LLExecutor()
+    _executor.unsafe_compute_mask_ptr_with_draft_token([(m._m, row, list(drafts)) for m, row, drafts in rows],
+                                                       bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def apply_masks(logits: Any, bitmask: Any, rows: Sequence[int] | None = None) -> None:

@@ -17,7 +17,14 @@ import torch
 from schemas.engine import MAX_STRUCTURED_SPEC_CHARS, InvalidSamplingParams, StructuredOutput
 from schemas.tokenizer import Tool, ToolFunction
 from services.agent import grammar
-from services.agent.grammar import GrammarCompiler, GrammarError, allocate_masks, apply_masks, fill_masks
+from services.agent.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    allocate_masks,
+    apply_masks,
+    fill_masks,
+    fill_masks_with_drafts,
+)
 from services.agent.tool_parsers import TOOL_PARSERS
 
 PET = {
@@ -146,6 +153,15 @@ def test_rollback_drafts_and_rebuild_match_stepping(compiler, hf_tokenizer):
     assert stepped.accept_drafts(ids[k:k + 5]) == len(ids[k:k + 5])
     assert stepped.accept_drafts([*ids[k:k + 2], bad]) == 2
     assert torch.equal(mask_of(stepped), at_k) and stepped.num_tokens == k  # validating did not move it
+    # a verifying sequence's rows: the mask now, then after each draft; a forbidden draft ends them
+    rows = allocate_masks(7, compiler.vocab_size)
+    fill_masks_with_drafts([(stepped, 1, [*ids[k:k + 3], bad, ids[k + 3]])], rows)
+    probe = compiler.rebuild(constraint, ids[:k])
+    for j in range(4):
+        assert torch.equal(rows[1 + j], mask_of(probe)[0]), j
+        probe.accept(ids[k + j])
+    assert (rows[0] == -1).all() and (rows[5] == -1).all() and (rows[6] == -1).all()  # left as they were
+    assert stepped.num_tokens == k and torch.equal(mask_of(stepped), at_k)
     # accepted drafts rejected by the target model: rolled back
     for t in ids[k:k + 5]:
         assert stepped.accept(t)
