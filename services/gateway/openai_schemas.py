@@ -104,12 +104,19 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
     refusal: str | None = None
 
 
+class ToolCallIn(ToolCall, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A call in an assistant message of the history. ``index`` is accepted and dropped: clients that
+    build the message from OpenAI's streamed deltas send it back (vLLM takes it too)."""
+
+    index: int | None = None
+
+
 class ChatMessageIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None

@@ -12,7 +12,7 @@ from typing import Any
 
 from bus.errors import InvalidArgument
 from schemas.generate import GenerateRequest
-from schemas.tokenizer import CHAT_ROLES, ChatMessage
+from schemas.tokenizer import CHAT_ROLES, ChatMessage, ToolCall
 from services.agent.tools import BadField
 
 MAX_CHAT_MESSAGES = 4096
@@ -75,7 +75,8 @@ def _chat_message(m: Any, index: int) -> ChatMessage:
                                f"content part of type {part.type!r} is not supported; only text parts")
             texts.append(part.text)
         content = "\n".join(texts)
-    return ChatMessage(role=m.role, content=content, name=m.name, tool_calls=m.tool_calls or None,
+    calls = [ToolCall(id=c.id, type=c.type, function=c.function) for c in m.tool_calls or ()]
+    return ChatMessage(role=m.role, content=content, name=m.name, tool_calls=calls or None,
                        tool_call_id=m.tool_call_id if m.role == "tool" else None,
                        reasoning_content=m.reasoning_content if m.role == "assistant" else None)
 
