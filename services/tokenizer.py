@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from schemas.tokenizer import (
 from services.actor import Actor
 from services.agent.tool_prompt import fallback_messages, template_messages, template_takes_tools, tool_dict
 from services.agent.tools import check_chat_template_kwargs
+from services.metrics_http import start_metrics
+from services.tokenizer_metrics import TokenizerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +49,16 @@ class TokenizerConfig:
     """Longest text (or rendered chat) accepted; longer gets invalid_argument."""
     max_queue: int = 10_000
     """Most requests waiting for the batch loop; past it callers get overloaded."""
+    metrics_port: int = 0
+    """Port of the tokenizer's Prometheus endpoint (GET /metrics: latency, batch sizes, queue); 0: none."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_input_chars < 1 or self.max_queue < 1:
             raise ValueError("max_batch_size, max_input_chars and max_queue must be >= 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
 
 class TokenizerCore:
@@ -158,6 +167,8 @@ class TokenizerActor(Actor):
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._loop_task: asyncio.Task | None = None
         self.num_batches = 0
+        self.metrics = TokenizerMetrics(num_waiting=self._queue.qsize)
+        self.metrics_server = None
 
     async def setup(self) -> None:
         if self.core is None:
@@ -166,9 +177,14 @@ class TokenizerActor(Actor):
             model_dir = await asyncio.to_thread(resolve_model, self.config.model)
             self.core = await asyncio.to_thread(TokenizerCore, model_dir)
         self._loop_task = asyncio.create_task(self._batch_loop(), name="tokenizer-batch-loop")
+        self.metrics_server = await start_metrics(self.metrics.registry, self.config.metrics_host,
+                                                  self.config.metrics_port, f"tokenizer {self.worker_id}")
 
     async def stop(self) -> None:
         await super().stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+            self.metrics_server = None
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -219,10 +235,12 @@ class TokenizerActor(Actor):
 
     async def _submit(self, kind: str, request: Any) -> Any:
         if self._queue.qsize() >= self.config.max_queue:
+            self.metrics.refused.inc()
             raise Overloaded(f"tokenizer queue is full ({self.config.max_queue} waiting)")
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Job(kind, request, future))
-        return await future
+        with self.metrics.timed(kind):
+            return await future
 
     # --- the batch loop -----------------------------------------------------------------
     async def _batch_loop(self) -> None:
@@ -233,12 +251,14 @@ class TokenizerActor(Actor):
             jobs = [j for j in jobs if not j.future.done()]  # callers that gave up
             if not jobs:
                 continue
+            started = time.perf_counter()
             try:
                 results = await asyncio.to_thread(self._run_batch, jobs)
             except Exception as exc:  # fail the whole batch but keep the loop alive
                 log.exception("tokenizer batch of %d failed", len(jobs))
                 results = [exc] * len(jobs)
             self.num_batches += 1
+            self.metrics.observe_batch(len(jobs), time.perf_counter() - started)
             for job, result in zip(jobs, results):
                 if job.future.done():
                     continue

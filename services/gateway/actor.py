@@ -34,8 +34,9 @@ class GatewayActor(Actor):
 
     def __init__(self, config: GatewayConfig, *, worker_id: str | None = None):
         super().__init__(config, worker_id=worker_id)
-        self.metrics = GatewayMetrics(num_inflight=lambda: self.pipeline.num_inflight if self.pipeline else 0)
         self.pipeline: GenerationPipeline | None = None
+        self.metrics = GatewayMetrics(num_inflight=lambda: self.pipeline.num_inflight if self.pipeline else 0,
+                                      migrations=self._migrations)
         self.app = None
         self.http_port: int | None = None
         """The port the HTTP API listens on, once started (the real one when configured as 0)."""
@@ -65,6 +66,9 @@ class GatewayActor(Actor):
     async def handle_generate_once(self, req: GenerateRequest, ctx: RequestContext) -> GenerateReply:
         return await self.pipeline.generate_once(req, request_id=ctx.request_id, endpoint="generate_once",
                                                  deadline=ctx.deadline)
+
+    def _migrations(self) -> tuple[int, int]:
+        return (self.pipeline.num_migrations, self.pipeline.num_migrations_failed) if self.pipeline else (0, 0)
 
     def health_detail(self) -> dict[str, str]:
         detail = {"inflight": str(self.pipeline.num_inflight if self.pipeline else 0)}

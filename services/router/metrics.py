@@ -3,9 +3,10 @@
 Counted as they happen: decisions by policy, stage and reason, decision latency, and the router's
 accuracy: for each request a worker reports finished (its heartbeat's ``prefix_reports``), the
 cached prompt tokens it really found minus what this router predicted, as a histogram, beside the
-two totals. Read at scrape time from the router's state: workers by role, the KV index (pages per
-tier, publishers, event gaps, resyncs, dump failures, approximate-mode workers) and sessions (held,
-pinned, moved by reason).
+two totals. Read at scrape time from the router's state: workers by role, the load it sees on each
+(labels ``role`` and ``worker``: the worker's own, not this router's), the KV index (pages per tier,
+publishers, event gaps, resyncs, dump failures, approximate-mode workers) and sessions (held, pinned,
+moved by reason).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class _StateCollector:
         for role, n in sorted(router.workers.count_by_role().items()):
             workers.add_metric([role], n)
         yield workers
+        yield from _load_seen(router.workers)
         detail = router.policy.detail()
         if detail:
             pages = G("kvbus_router_index_pages", "(worker or store, page) entries in the KV index by tier; "
@@ -87,3 +89,26 @@ class _StateCollector:
         for reason in ("busy", "left", "excluded"):
             moves.add_metric([reason], sessions.num_moves[reason])
         yield moves
+
+
+def _load_seen(registry):
+    """The load each alive worker shows this router: its last heartbeat plus what was routed there since,
+    the numbers the policies weigh."""
+    G = GaugeMetricFamily
+    labels = ["role", "worker"]
+    requests = G("kvbus_router_worker_num_requests", "Running + waiting requests of a worker as this router "
+                 "sees them (last heartbeat, plus requests routed there since).", labels=labels)
+    prefill = G("kvbus_router_worker_prefill_tokens", "Queued prefill tokens of a worker as this router sees "
+                "them (last heartbeat, plus prompts routed there since).", labels=labels)
+    usage = G("kvbus_router_worker_kv_cache_usage_perc", "Share of a worker's KV pool in use, from its last "
+              "heartbeat.", labels=labels)
+    age = G("kvbus_router_worker_heartbeat_age_seconds", "Seconds since a worker's last heartbeat.",
+            labels=labels)
+    now = registry.clock()
+    for w in registry.alive():
+        key = [w.role, w.worker_id]
+        requests.add_metric(key, w.num_requests)
+        prefill.add_metric(key, w.num_prefill_tokens)
+        usage.add_metric(key, 1.0 - w.free_page_fraction)
+        age.add_metric(key, max(0.0, now - w.last_seen))
+    yield from (requests, prefill, usage, age)

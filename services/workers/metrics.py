@@ -62,14 +62,18 @@ class _WorkerCollector:
             return
         c, g = "counter", "gauge"
         bm, st = engine.block_manager, engine.stats
-        yield self._family(g, "kvbus_engine_requests_running", "Requests in the engine's running batch.",
+        # named as vLLM's scheduler state (vllm:num_requests_running, ...: docs/observability.md)
+        yield self._family(g, "kvbus_num_requests_running", "Requests in the engine's running batch.",
                            engine.num_running)
-        yield self._family(g, "kvbus_engine_requests_waiting",
+        yield self._family(g, "kvbus_num_requests_waiting",
                            "Requests waiting: in the engine's queue, or admitted and awaiting KV or a prefill.",
                            engine.num_waiting + w.num_admitting)
         yield self._family(c, "kvbus_engine_requests_refused", "Requests refused by admission (overloaded).",
                            w.admission.num_refused)
         free = bm.num_free_pages
+        yield self._family(g, "kvbus_kv_cache_usage_perc", "Share of the KV pool's pages held by requests "
+                           "(1 = full; cached prefixes nobody uses count as free).",
+                           (bm.num_pages - free) / bm.num_pages if bm.num_pages else 0.0)
         yield self._family(g, "kvbus_engine_kv_pages_total", "Pages of the KV pool.", bm.num_pages)
         yield self._family(g, "kvbus_engine_kv_pages_used", "KV pool pages held by requests.", bm.num_pages - free)
         yield self._family(g, "kvbus_engine_kv_pages_free", "KV pool pages free or holding evictable cached prefixes.",

@@ -500,7 +500,7 @@ async def test_metrics_count_tokens_and_latencies(cluster):
     assert samples["kvbus_inter_token_latency_seconds_count"] == 2 * 5
     assert samples["kvbus_e2e_request_latency_seconds_count"] == 2
     assert samples["kvbus_e2e_request_latency_seconds_sum"] >= samples["kvbus_time_to_first_token_seconds_sum"] > 0
-    assert samples["kvbus_requests_running"] == 0
+    assert samples["kvbus_gateway_num_requests_running"] == 0
 
 
 async def test_drain_lets_http_requests_finish_then_stops_listening(cluster):

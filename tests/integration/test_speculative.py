@@ -126,12 +126,12 @@ def test_greedy_through_kvbus_up_matches_plain_decoding(drafter, placement, mode
             import httpx
 
             metrics = httpx.get(cluster.http_url.rstrip("/") + "/metrics", timeout=30).text
-            series = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("kvbus_spec_"))
-            assert float(series["kvbus_spec_draft_tokens_total"]) >= len(prompts), series
-            accepted = float(series["kvbus_spec_accepted_draft_tokens_total"])
-            assert float(series["kvbus_spec_draft_tokens_total"]) >= accepted, series
-            assert float(series["kvbus_spec_mean_accepted_length_count"]) >= 1, series
-            assert float(series["kvbus_spec_draft_time_share_count"]) >= 1, series
+            series = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("kvbus_spec_decode_"))
+            assert float(series["kvbus_spec_decode_num_draft_tokens_total"]) >= len(prompts), series
+            accepted = float(series["kvbus_spec_decode_num_accepted_tokens_total"])
+            assert float(series["kvbus_spec_decode_num_draft_tokens_total"]) >= accepted, series
+            assert float(series["kvbus_spec_decode_accept_length_count"]) >= 1, series
+            assert float(series["kvbus_spec_decode_draft_time_share_count"]) >= 1, series
             if placement == "remote":
                 draft = asyncio.run(health(cluster.nats_url, "draft", "draft-0")).detail
                 assert int(draft["batches"]) > 0, draft

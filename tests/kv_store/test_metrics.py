@@ -115,7 +115,9 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_engine_prefix_cache_hit_tokens_total", (("tier", "device"),))] == 0
         assert m[("kvbus_engine_kv_pages_total", ())] == int(d["total_pages"])
         assert m[("kvbus_engine_kv_pages_free", ())] == int(d["free_pages"])
-        assert m[("kvbus_engine_requests_running", ())] == 0
+        assert m[("kvbus_num_requests_running", ())] == 0
+        used = int(d["total_pages"]) - int(d["free_pages"])
+        assert m[("kvbus_kv_cache_usage_perc", ())] == used / int(d["total_pages"])
 
         assert await generate(client, "worker-b") == first  # its 4 leading pages come from L2
         m = await scrape(b.metrics_server.url)
