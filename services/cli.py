@@ -1,4 +1,5 @@
-"""The ``kvbus`` command: serve one role, bring the system up, prepare models, export schemas."""
+"""The ``kvbus`` command: serve one role, bring the system up, prepare models, export schemas, call a
+subject, ask a replica's health."""
 
 from __future__ import annotations
 
@@ -165,6 +166,61 @@ def cmd_call(argv: list[str]) -> int:
         return 0
 
 
+def health_parser() -> argparse.ArgumentParser:
+    from services.registry import ROLES
+
+    parser = argparse.ArgumentParser(prog="kvbus health", description=cmd_health.__doc__)
+    parser.add_argument("role", choices=sorted(ROLES.names()))
+    parser.add_argument("--worker-id", default=os.environ.get("KVBUS_WORKER_ID"),
+                        help="the replica to ask (default: $KVBUS_WORKER_ID; unset: any replica of the role)")
+    parser.add_argument("--live", action="store_true",
+                        help="liveness: any answer will do, ready or not (e.g. draining)")
+    parser.add_argument("--timeout", type=float, default=3.0)
+    cfg.add_arguments(parser, BusConfig)
+    return parser
+
+
+def cmd_health(argv: list[str]) -> int:
+    """Ask one replica (or any replica of a role) whether it is ready: exit 0 ready, 1 not (or no answer).
+    For container healthchecks and Kubernetes probes (deploy/)."""
+    args = health_parser().parse_args(argv)
+    try:
+        bus_config = bus_config_from(args)
+    except cfg.ConfigError as exc:
+        print(f"kvbus health: {exc}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        import msgspec
+
+        from bus.errors import BusError
+        from bus.nats_transport import connect
+        from bus.subjects import HEALTH, WORKER_HEALTH
+        from schemas.common import HealthRequest
+
+        who = f"{args.role} {args.worker_id}" if args.worker_id else f"any {args.role}"
+        try:
+            bus = await connect(bus_config, name="kvbus-health")
+        except BusError as exc:
+            print(f"kvbus health: {exc.message}", file=sys.stderr)
+            return 1
+        try:
+            if args.worker_id:
+                reply = await bus.request(WORKER_HEALTH, HealthRequest(), timeout=args.timeout, role=args.role,
+                                          worker_id=args.worker_id)
+            else:
+                reply = await bus.request(HEALTH, HealthRequest(), timeout=args.timeout, role=args.role)
+        except BusError as exc:
+            print(f"kvbus health: {who}: no answer ({exc.code.value}: {exc.message})", file=sys.stderr)
+            return 1
+        finally:
+            await bus.close()
+        print(msgspec.json.encode(reply).decode())
+        return 0 if reply.ready or args.live else 1
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -174,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": lambda a: __import__("services.models", fromlist=["model_main"]).model_main(a),
         "schemas": cmd_schemas,
         "call": cmd_call,
+        "health": cmd_health,
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
@@ -182,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "  serve     run one service role (kvbus serve tokenizer --help)\n"
             "  model     prepare or inspect the model (kvbus model prepare | info)\n"
             "  call      send JSON to a subject and print the reply\n"
+            "  health    ask a service replica whether it is ready (exit 0 ready, 1 not)\n"
             "  schemas   export the wire contract (JSON Schemas, AsyncAPI document)\n",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )

@@ -43,7 +43,7 @@ class LocalSystem:
         self.nats_url: str | None = None
         self.http_url: str | None = None
         self.metrics_urls: dict[str, str] = {}
-        """Prometheus endpoint per service (kv_store, engine workers), by worker id."""
+        """Prometheus endpoint per service (tokenizers, kv_store, router, engine workers), by worker id."""
         self._ready = threading.Event()
         self.proc: subprocess.Popen | None = None
 

@@ -18,10 +18,11 @@ import time
 from bus.nats_transport import BusConfig
 from services import config as cfg
 from services.natsd import free_port, port_is_taken
+from services.up import prometheus
 from services.up.config import UpConfig, parse
 from services.up.placement import make_lease_file
 from services.up.readiness import first_request, wait_ready
-from services.up.report import SERVING, say, say_nats, say_placement, say_ready
+from services.up.report import SERVING, say, say_nats, say_placement, say_ready, say_scrape_config
 from services.up.roles import ENGINE_ROLES, Plan, Site, plan
 from services.up.supervisor import Child, Supervisor
 
@@ -72,6 +73,17 @@ async def start_services(config: UpConfig, site: Site, supervisor: Supervisor) -
     return planned
 
 
+def write_scrape_config(config: UpConfig, planned: Plan, http_port: int) -> None:
+    """``--prometheus-config``: every /metrics endpoint started, at the ports chosen at start."""
+    targets = prometheus.scrape_targets(planned.roles, planned.children, metrics_host=config.metrics_host,
+                                        http_host=config.http_host, http_port=http_port)
+    try:
+        prometheus.write(config.prometheus_config, targets)
+    except OSError as exc:
+        raise RuntimeError(f"--prometheus-config {config.prometheus_config}: {exc.strerror or exc}") from None
+    say_scrape_config(config.prometheus_config, sum(len(found) for found in targets.values()))
+
+
 async def ready_unless_stopped(bus, planned: Plan, supervisor: Supervisor, timeout: float,
                                stop: asyncio.Event) -> bool:
     """Wait until every service is ready (True), or until ``stop`` is set first (False)."""
@@ -119,6 +131,8 @@ async def up(config: UpConfig) -> int:
         lease_file = make_lease_file()
         site = Site(nats_url=nats_url, model_dir=str(model_dir), http_port=port, lease_file=lease_file)
         planned = await start_services(config, site, supervisor)
+        if config.prometheus_config:
+            write_scrape_config(config, planned, port)
 
         bus = await connect(cfg.build(BusConfig, {"nats_url": nats_url}))  # KVBUS_NATS_* auth/TLS, as the services
         try:

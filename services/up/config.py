@@ -32,7 +32,9 @@ class UpConfig:
     model: str | None = None
     """local Hugging Face model folder (default: SmolLM2-135M-Instruct, prepared on first use)"""
     nats_url: str | None = None
-    """use this NATS server instead of starting one (default: $NATS_URL where set)"""
+    """use this NATS server instead of starting one (default: $NATS_URL where set); a cluster's nodes
+    comma-separated (nats://a:4222,nats://b:4222,nats://c:4222): every service reconnects to another
+    node when its own goes away (deploy/nats/cluster.conf)"""
     nats_port: int = 4222
     """port for the started nats-server (0: a free port)"""
     tokenizers: int = 1
@@ -104,10 +106,14 @@ class UpConfig:
     http_port: int = 8000
     """port of the gateway's HTTP API (0: a free port)"""
     metrics_port: int = 9400
-    """first Prometheus port: the kv_store and the engine workers serve GET /metrics on this port and
-    the next ones, in that order (0: free ports; -1: none)"""
+    """first Prometheus port: the tokenizers, the kv_store, the router and the engine workers serve
+    GET /metrics on this port and the next ones, in that order (0: free ports; -1: none); the gateway
+    serves its own on the HTTP port"""
     metrics_host: str = "127.0.0.1"
     """address the /metrics endpoints listen on"""
+    prometheus_config: str | None = None
+    """write a Prometheus scrape config for the services started (every /metrics endpoint, with the
+    ports chosen at start) to this file (docs/observability.md)"""
     api_key_file: str | None = None
     """file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)"""
     ready_timeout: float = 180.0

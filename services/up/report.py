@@ -38,6 +38,10 @@ def say_placement(layout: str, layout_why: str, core_sharing: str, num_engines: 
         say(f"engines on this host: core sharing {core_sharing}")
 
 
+def say_scrape_config(path: str, num_targets: int) -> None:
+    say(f"Prometheus scrape config ({num_targets} targets): {path}  (prometheus --config.file {path})")
+
+
 def say_ready(*, elapsed_s: float, roles: dict[str, list[str]], served: str, nats_url: str, http_host: str,
               http_port: int, metrics_host: str, metrics_ports: dict[str, int]) -> None:
     """Ready: what was served, and every address to call or scrape."""

@@ -175,9 +175,9 @@ def _uses_draft_service(config: UpConfig) -> bool:
 
 
 ROLE_LAUNCHES: tuple[RoleLaunch, ...] = (
-    RoleLaunch("tokenizer", lambda config, layout: config.tokenizers, tokenizer_flags),
+    RoleLaunch("tokenizer", lambda config, layout: config.tokenizers, tokenizer_flags, has_metrics_port=True),
     RoleLaunch("kv_store", lambda config, layout: int(config.hicache), kv_store_flags, has_metrics_port=True),
-    RoleLaunch("router", lambda config, layout: 1, router_flags),
+    RoleLaunch("router", lambda config, layout: 1, router_flags, has_metrics_port=True),
     RoleLaunch("worker", lambda config, layout: config.workers if layout == "aggregated" else 0, worker_flags,
                has_metrics_port=True),
     RoleLaunch("prefill", lambda config, layout: (config.prefill or 1) if layout == "disaggregated" else 0,

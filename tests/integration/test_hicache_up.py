@@ -84,7 +84,7 @@ def test_l2_hits_through_kvbus_up(model_dir):
             assert float(detail["hicache_loaded_back"]) >= 1, detail  # the rest were still L1 hits
             store = asyncio.run(health(url, "kv_store", "kv_store-0"))
             assert int(store["stored"]) > 0 and int(store["committed"]) > 0, store
-            assert set(system.metrics_urls) == {"worker-0", "kv_store-0"}, system.metrics_urls
+            assert set(system.metrics_urls) == {"tokenizer-0", "kv_store-0", "router-0", "worker-0"}, system.metrics_urls
             worker = scrape(system.metrics_urls["worker-0"])
             assert worker["kvbus_hicache_loaded_back_pages_total"] == float(detail["hicache_loaded_back"])
             assert worker["kvbus_hicache_load_back_seconds_count"] >= 1

@@ -54,15 +54,15 @@ def plan(config: UpConfig, nats_url: str, model_dir: str):
     return planned.roles, planned.children
 
 
-def test_plan_gives_the_store_and_every_engine_a_metrics_port():
+def test_plan_gives_every_service_but_the_gateway_a_metrics_port():
     roles, children = plan(_args(), "nats://127.0.0.1:4222", "/models/x")
     by_name = {c.name: c for c in children}
-    metered = {"kv_store-0", "prefill-0", "decode-0"}
+    metered = {"tokenizer-0", "kv_store-0", "router-0", "prefill-0", "decode-0"}
     assert {c.name for c in children if c.metrics_port is not None} == metered
     for name in metered:
         argv = by_name[name].argv
         assert argv[argv.index("--metrics-port") + 1] == str(by_name[name].metrics_port)
-    assert "--metrics-port" not in by_name["gateway-0"].argv and "--metrics-port" not in by_name["router-0"].argv
+    assert "--metrics-port" not in by_name["gateway-0"].argv  # its /metrics is on the HTTP port
     _, children = plan(_args(metrics_port=-1), "nats://127.0.0.1:4222", "/models/x")
     assert all(c.metrics_port is None and "--metrics-port" not in c.argv for c in children)
 
