@@ -82,9 +82,6 @@ class Match(NamedTuple):
         return self.num_device_pages + self.num_host_pages + self.num_disk_pages
 
 
-NO_MATCH = Match()
-
-
 class KVIndex:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, approx_ttl: float = 120.0,
                  publisher_ttl: float = 60.0, retry_s: float = 1.0):
