@@ -6,7 +6,8 @@
 #
 # Installs what is missing and nothing twice: Debian packages (python3-venv,
 # nats-server, g++ for the native CPU kernels; for tests also libnats-dev for the
-# C client test and Node.js with npm for the Node client test), a
+# C client test, Node.js with npm for the Node client test, Prometheus and docker-compose
+# for the observability and deployment tests), a
 # virtual environment in .venv with torch pinned to 2.13.0 (set KVBUS_TORCH_SPEC
 # to install another build, e.g. a CUDA one), and kvbus itself (editable).
 set -euo pipefail
@@ -42,6 +43,9 @@ if [ "$mode" = test ]; then
   # the wire-contract tests: a Node.js client and the official AsyncAPI parser (tests/clients/node)
   command -v node >/dev/null || debs+=(nodejs)
   command -v npm >/dev/null || debs+=(npm)
+  # the observability tests: a real Prometheus and promtool; Compose v1 validates docker-compose.yml
+  command -v prometheus >/dev/null || debs+=(prometheus)
+  command -v docker-compose >/dev/null || debs+=(docker-compose)
 fi
 [ ${#debs[@]} -eq 0 ] || apt_install "${debs[@]}"
 
