@@ -98,6 +98,18 @@ struct BF16_F32 : BF16 {
 template <class T>
 constexpr int64_t LINE = 64 / sizeof(typename T::W);  // elements of one line
 
+// NOTE: outside the AVX-512 block: the plain loops below take it too (CPUs without AVX-512).
+// The shapes of one call: the packed weights (C blocks of `lines` lines), x line-major, y's rows.
+template <class T>
+struct Gemm {
+  const typename T::W* wpp;
+  int64_t C, lines, N;
+  const typename T::X* xt;
+  typename T::A* const* yrow;
+  const typename T::A* bp;
+  const typename T::W* zero_w;
+};
+
 #if defined(__AVX512F__)
 
 // Loads, broadcasts and multiply-adds by weight type.
@@ -175,17 +187,6 @@ inline void tile_blocks(const typename T::W* wpp, int64_t C, int64_t lines, int6
     w[b] = c < C ? wpp + c * lines * LINE<T> : zero_w;
   }
 }
-
-// The shapes of one call: the packed weights (C blocks of `lines` lines), x line-major, y's rows.
-template <class T>
-struct Gemm {
-  const typename T::W* wpp;
-  int64_t C, lines, N;
-  const typename T::X* xt;
-  typename T::A* const* yrow;
-  const typename T::A* bp;
-  const typename T::W* zero_w;
-};
 
 // One pass over w for MR rows: tiles of NB column blocks shared out among the threads.
 template <class T, int NB, int MR>
