@@ -238,7 +238,7 @@ def test_a_long_stream_gets_only_what_it_asked_for_and_the_https_text(system, co
         assert summary["seqs"] == list(range(NUM_TOKENS + 1))
         assert summary["text"] == http_text
     assert quiet["probes"] == 0 and quiet["streamed_s"] > 3 * PROBE_INTERVAL, quiet  # nothing unasked for
-    assert probed["probes"] >= 3 and probed["answered"] == probed["probes"], probed
+    assert probed["probes"] >= 2 and probed["answered"] == probed["probes"], probed
     kinds = assert_c_conforms(modules, contract, "generate", c_lines)
     assert kinds == ["chunk"] * NUM_TOKENS + ["end"] and c_took > 3 * PROBE_INTERVAL  # no probe: it did not ask
     assert c_text(c_lines) == http_text
@@ -310,16 +310,15 @@ def test_cancelled_and_abandoned_streams_free_their_pages(system, contract, modu
 
 def test_streams_through_a_worker_killed_mid_way_migrate_and_match_http(system, contract, modules, c_client,
                                                                         http_text):
-    """Last: it kills a worker. One session, so both streams run on one worker; SIGKILL it after 4 chunks:
-    the gateway moves both to the other worker, and each client sees one unbroken, valid stream."""
+    """Last: it kills a worker. One session, so both streams run on one worker; SIGKILL it after 2 chunks
+    of each: the gateway moves both to the other worker, and each client sees one unbroken, valid stream."""
     all_idle(system)
     before = int(gateway_detail(system)["migrations"])
     body = request(GREEDY, session_id="wire-contract-migration")
     node = node_client(modules, contract, system, op="generate", body=body, timeout_s=300)
-    node.wait_for_chunks(1)
     c = c_run(c_client, system, body, "-t", "300")
-    c.wait_for_chunks(4)
-    node.wait_for_chunks(4)
+    node.wait_for_chunks(2)
+    c.wait_for_chunks(2)
     states = asyncio.run(_states(system.nats_url))
     victims = [wid for wid, detail in states.items() if detail.get("running") == "2"]
     assert len(victims) == 1, f"the session's two streams are not on one worker: {states}"
