@@ -23,6 +23,8 @@ MAX_TOKEN_ID = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_PRIORITY = 2**31 - 1
+MAX_CHOICES = 16
+"""Most choices (``n``) one request may ask for."""
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "lark")
 """What a StructuredOutput's ``spec`` holds: JSON Schema text, nothing (any JSON object), a regular
 expression, or a Lark grammar as llguidance reads it (JSON Schemas may be embedded with ``%json``)."""
@@ -95,6 +97,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Constrained decoding: every token must keep the output a prefix of the grammar's language."""
     priority: int = 0
     """Scheduling priority among waiting requests: lower goes first (vLLM's meaning)."""
+    num_prior_output_tokens: int = 0
+    """The prompt's last this many tokens are output this request generated before (the gateway sets it
+    when it moves a stream to another worker): output-token penalties, the grammar and seeded draws
+    continue from them; ``max_tokens`` and ``min_tokens`` count what is generated from here on."""
+    n: int = 1
+    """Choices to generate for the prompt, 1..16: the gateway runs one sequence per choice, choice i
+    seeded with ``seed + i`` (docs/agents.md); an engine or worker takes 1."""
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or 1 <= self.max_tokens <= _INT64_MAX,
@@ -139,6 +148,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
         _check(-MAX_PRIORITY - 1 <= self.priority <= MAX_PRIORITY,
                f"priority must be a 32-bit integer, got {self.priority}")
+        _check(0 <= self.num_prior_output_tokens <= _INT64_MAX,
+               f"num_prior_output_tokens must be >= 0, got {self.num_prior_output_tokens}")
+        _check(1 <= self.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {self.n}")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,7 +3,9 @@
 Runs on the caller's thread (``add_*`` only enqueue), so every check of a request happens before
 it reaches the engine's mailbox and a bad request never touches a step. A request id stays taken
 from :meth:`RequestIntake.new_sequence` until the engine finishes the request
-(:meth:`RequestIntake.release`).
+(:meth:`RequestIntake.release`). A request that asks for per-row logit work (penalties, logit_bias,
+min_tokens, structured output) gets its ``LogitsState`` here, and its grammar starts compiling on the
+grammar thread (``logits_processors.GrammarService``) while it queues and prefills.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Sequence as Seq
 
 from schemas.engine import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.logits_processors import GrammarService, LogitsState, wants_logit_work
 from services.engine.outputs import RequestError
 from services.engine.sequence import Sequence
 
@@ -28,6 +31,7 @@ class RequestIntake:
         self.num_pages = num_pages
         self._live_ids: set[str] = set()
         self._lock = threading.Lock()
+        self.grammar = GrammarService(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
 
     def new_sequence(
         self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *, with_text: bool = True
@@ -49,6 +53,10 @@ class RequestIntake:
         )
         if self.tokenizer is not None and with_text:
             seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        if wants_logit_work(params):
+            constraint = params.structured_output
+            seq.logits_state = LogitsState(seq, self.grammar.start(constraint, seq.generated_token_ids)
+                                           if constraint is not None else None)
         return seq
 
     def checked(self, seq: Sequence, check: Callable, *args) -> None:
@@ -78,3 +86,13 @@ class RequestIntake:
             raise RequestError(f"the prompt has {len(token_ids)} tokens, more than the whole KV pool holds")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the tokenizer (load_tokenizer=True)")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise RequestError("structured output needs the tokenizer (load_tokenizer=True)")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.num_prior_output_tokens >= len(token_ids):
+            raise RequestError(f"num_prior_output_tokens ({params.num_prior_output_tokens}) must be less than the "
+                               f"prompt's {len(token_ids)} tokens")
+        if params.n != 1:
+            raise RequestError(f"an engine runs one sequence per request (n={params.n}): the gateway runs one "
+                               "request per choice")

@@ -3,7 +3,9 @@
 One step: :meth:`ModelRunner.prepare` (packed ids, positions, attention metadata, which rows
 sample), the model's forward, then :meth:`ModelRunner.sample` over the rows described by
 :class:`LogitsRows` (plain rows through ``sampling.sample_tokens``, verifying ones through
-``spec_decode.verify``). Between the two sits the one seam for changing logits per request.
+``spec_decode.verify``). Between the two sits the one seam for changing logits per request: the
+logits-processor chain (``logits_processors.LogitsProcessors``: penalties, logit_bias, min_tokens,
+grammar masks), whose masks are filled on a helper thread while the forward pass runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from kernels import compute_logprobs
 from schemas.engine import TokenLogprob
 from services.engine.llama import AttentionMetadata, LlamaModel
+from services.engine.logits_processors import LogitsProcessors
 from services.engine.sampling import sample_tokens
 from services.engine.spec_decode import verify
 from services.engine.scheduler import ScheduledBatch
@@ -63,6 +66,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.last_forward_seconds = 0.0  # the model forward alone, for the overhead figure
+        self.processors = LogitsProcessors(model.mc.vocab_size, device)
 
     def prepare(self, batch: ScheduledBatch):
         """Packed ids, positions, attention metadata, and which rows sample."""
@@ -142,25 +146,31 @@ class ModelRunner:
         append (one; or, when it verified drafts, the accepted ones plus the target's next)
         and their logprobs, and the rows the sampler could not serve (no tokens; reason by row)."""
         ids, pos, meta, rows, sampling_seqs = self.prepare(batch)
+        logits_rows = LogitsRows.of(batch, sampling_seqs) if sampling_seqs else None
+        pending = self.processors.start(logits_rows) if logits_rows is not None else None  # masks fill meanwhile
         t0 = time.perf_counter()
         logits = self.model.forward(ids, pos, meta, rows)  # [N, V]; N = 0 when only chunks ran
         self.last_forward_seconds = time.perf_counter() - t0
-        if not sampling_seqs:
+        if logits_rows is None:
             return [], [], [], {}
-        logits_rows = LogitsRows.of(batch, sampling_seqs)
-        # NOTE: the one place the logits may change before they are sampled or verified: a
-        # per-row logits-processor chain (grammar masks, penalties, logit_bias, min_tokens) is
-        # one call here, ``logits = processors.apply(logits, logits_rows)``.
-        return self.sample(logits, logits_rows)
+        # NOTE: the one place the logits change before they are sampled or verified
+        logits, raw, errors = self.processors.apply(logits, logits_rows, pending)
+        seqs, tokens, logprobs, sample_errors = self.sample(logits, logits_rows, raw)
+        errors.update(sample_errors)
+        if pending is not None:
+            self.processors.accepted(seqs, tokens, errors)
+        return seqs, tokens, logprobs, errors
 
     def sample(
-        self, logits: torch.Tensor, rows: LogitsRows
+        self, logits: torch.Tensor, rows: LogitsRows, raw: torch.Tensor | None = None
     ) -> tuple[list[Sequence], list[list[int]], list[list[TokenLogprob | None]], dict[int, str]]:
-        """Plain rows sample together; each verifying sequence runs the acceptance rule on its rows."""
+        """Plain rows sample together; each verifying sequence runs the acceptance rule on its rows.
+        ``raw``: the logits before the chain, for logprobs (None: ``logits`` are)."""
         seqs, counts, starts = rows.seqs, rows.counts, rows.starts
+        raw = logits if raw is None else raw
         if not rows.is_verifying:
             tokens, logprobs, errors = sample_tokens(logits, [s.params for s in seqs],
-                                                     [s.num_output_tokens for s in seqs])
+                                                     [s.num_generated_tokens for s in seqs], raw)
             return seqs, [[t] for t in tokens], [[lp] for lp in logprobs], errors
         plain = [i for i, c in enumerate(counts) if c == 1]
         out_tokens: list[list[int]] = [[] for _ in seqs]
@@ -169,7 +179,7 @@ class ModelRunner:
         if plain:
             idx = torch.tensor([starts[i] for i in plain], dtype=torch.int64, device=logits.device)
             tokens, logprobs, plain_errors = sample_tokens(logits[idx], [seqs[i].params for i in plain],
-                                                           [seqs[i].num_output_tokens for i in plain])
+                                                           [seqs[i].num_generated_tokens for i in plain], raw[idx])
             for j, (i, t, lp) in enumerate(zip(plain, tokens, logprobs)):
                 out_tokens[i], out_lps[i] = [t], [lp]
                 if j in plain_errors:
@@ -181,8 +191,8 @@ class ModelRunner:
             rows_i = logits[starts[i] : starts[i] + c]
             q = seq.draft_probs[: c - 1] if seq.draft_probs is not None else None
             try:
-                toks = verify(rows_i, seq.draft_tokens[: c - 1], q, seq.params, seq.num_output_tokens)
-                out_lps[i] = self._logprobs(rows_i[: len(toks)], toks, seq)
+                toks = verify(rows_i, seq.draft_tokens[: c - 1], q, seq.params, seq.num_generated_tokens)
+                out_lps[i] = self._logprobs(raw[starts[i] : starts[i] + len(toks)], toks, seq)
             except Exception:  # this request fails alone; the batch goes on
                 log.exception("verifying the drafts of request %s failed", seq.request_id)
                 errors[i] = "the sampler failed for this request's parameters"

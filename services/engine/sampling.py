@@ -18,17 +18,19 @@ log = logging.getLogger(__name__)
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], steps: list[int], raw: torch.Tensor | None = None
 ) -> tuple[list[int | None], list[TokenLogprob | None], dict[int, str]]:
     """One token per row of ``logits`` [N, V] float32, drawn with ``params[i]``; ``steps[i]``: the
-    row's output index (a seeded request draws the same token at the same step, batched or not).
+    row's output index (a seeded request draws the same token at the same step, batched or not);
+    ``raw``: the rows before the logits-processor chain, which logprobs describe (None: ``logits``).
 
     Returns (token ids, logprobs, errors): when the batch cannot be sampled, each row is
     sampled alone and a row that still fails gets None and its reason in ``errors`` (by row),
     so one request the sampler cannot serve fails alone and the rest of the batch goes on.
     """
+    raw = logits if raw is None else raw
     try:
-        ids, lps = _sample_tokens(logits, params, steps)
+        ids, lps = _sample_tokens(logits, params, steps, raw)
         return ids, lps, {}
     except Exception:
         if len(params) == 1:
@@ -37,7 +39,8 @@ def sample_tokens(
     log.warning("sampling a batch of %d failed; sampling its rows one by one", len(params), exc_info=True)
     ids, lps, errors = [], [], {}
     for i in range(len(params)):
-        row_ids, row_lps, row_errors = sample_tokens(logits[i : i + 1], params[i : i + 1], steps[i : i + 1])
+        row_ids, row_lps, row_errors = sample_tokens(logits[i : i + 1], params[i : i + 1], steps[i : i + 1],
+                                                     raw[i : i + 1])
         ids += row_ids
         lps += row_lps
         if row_errors:
@@ -45,8 +48,8 @@ def sample_tokens(
     return ids, lps, errors
 
 
-def _sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                   steps: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+def _sample_tokens(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                   raw: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
     want_logprobs = [p.logprobs for p in params]
     if all(p.temperature == 0.0 for p in params):
         ids = logits.argmax(dim=-1)  # greedy fast path: no parameter tensors
@@ -56,7 +59,7 @@ def _sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     if all(n is None for n in want_logprobs):
         return id_list, [None] * len(params)
     top_n = max(n for n in want_logprobs if n is not None)
-    chosen, top_ids, top_lps = compute_logprobs(logits, ids, top_n)
+    chosen, top_ids, top_lps = compute_logprobs(raw, ids, top_n)
     chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
     out: list[TokenLogprob | None] = []
     for i, n in enumerate(want_logprobs):

@@ -17,6 +17,12 @@ Policy, each step:
    those behind it may go ahead (see ``_waits_for_pending``).
 3. With mixed batches off, a step that has prefill work runs only prefill.
 
+Priority (vLLM's priority policy; ``SamplingParams.priority``, lower first): waiting sequences are
+kept in (priority, arrival) order, a preempted one going back first among its priority. Running
+sequences are never preempted to admit a waiting one; when a step runs out of pages the victim is
+the running sequence of the worst priority, the most recently admitted among equals (with equal
+priorities, exactly the order described above).
+
 Load-back (docs/hicache.md): a sequence admitted with pages a lower tier holds
 may wait for their copies in ``loading`` (status LOADING): it holds its pages
 and counts toward ``max_running_requests`` but is never scheduled nor
@@ -94,8 +100,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.loading)
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence of its priority or a better one."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].params.priority > seq.params.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out (finished or aborted) and release its pages."""
@@ -158,7 +168,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Free pages for ``seq``'s next token by preempting newer sequences."""
         while not self.bm.can_grow(seq, seq.num_tokens):
-            victim = self.running[-1]
+            # the worst priority, the newest among equals (max keeps the first of equals it meets)
+            victim = max(reversed(self.running), key=lambda s: s.params.priority)
             if victim is seq:
                 if len(self.running) == 1 and self.loading:
                     pass  # a loading sequence holds pages: it runs (and can be preempted) once loaded
@@ -171,14 +182,21 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        # Victims are newer than every sequence already in the batch.
+        # With equal priorities victims are newer than every sequence already in the batch; a worse
+        # priority may be one the batch already holds: it leaves the batch.
+        if seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_new_tokens[i]
         self.running.remove(seq)
         self.bm.free(seq)
         seq.draft_tokens, seq.draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        i = 0  # first among its priority
+        while i < len(self.waiting) and self.waiting[i].params.priority < seq.params.priority:
+            i += 1
+        self.waiting.insert(i, seq)
         batch.preempted.append(seq)
 
     def _prefill_chunk(self, remaining: int, budget: int, is_first: bool) -> int:

@@ -38,6 +38,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # A moved stream's prompt ends with what it generated before (SamplingParams.num_prior_output_tokens)
+        self.num_prior_output_tokens = params.num_prior_output_tokens
+        self.logits_state = None  # logits_processors.LogitsState when it asks for per-row logit work
         self.status = SequenceStatus.WAITING
         self.page_ids: list[int] = []
         self.page_hashes: list[int] = []
@@ -95,6 +98,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens of the whole request: this engine's and those it came with (a seeded draw's step)."""
+        return self.num_output_tokens + self.num_prior_output_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """The whole request's output: the prompt's prior output tokens, then this engine's."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -9,6 +9,10 @@ The :class:`Speculator` owns the drafter (``services/draft``) and every decision
   against this machine's measured :class:`~services.engine.spec_decode.RowCost` and the moving
   average of what a decode step costs beside its projections.
 
+Drafts of a request under a grammar are cut at the first token the grammar forbids (its matcher
+validates them without moving); verification then sees each row masked for the drafts before it
+(the logits-processor chain), so a draft the target would not produce under the grammar is rejected.
+
 The engine calls it at three points of a step: :meth:`draft` before scheduling, :meth:`verified`
 for each sequence whose drafts the model runner verified (``spec_decode.verify``), and
 :meth:`observe_step` after the step; :meth:`commit` and :meth:`close` keep the drafter's streams
@@ -102,7 +106,11 @@ class Speculator:
                 seq.draft_seconds += spent
             prop = proposals.get(seq.request_id)
             if prop is not None and prop.position == seq.num_tokens and prop.tokens:
-                drafted.append((seq, list(prop.tokens[: wants[seq.request_id]]), prop.probs))
+                tokens = list(prop.tokens[: wants[seq.request_id]])
+                if seq.logits_state is not None:  # a grammar's request: cut at the first token it forbids
+                    del tokens[seq.logits_state.num_allowed_drafts(seq, tokens):]
+                if tokens:
+                    drafted.append((seq, tokens, prop.probs))
         if drafted:
             # which drafts are worth their rows in this step (spec_decode.budget_drafts)
             # (a rate floored at ROW_COST: a sequence at rate 0 still gets its probe draft on a free row)

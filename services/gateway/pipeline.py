@@ -236,8 +236,10 @@ class GenerationPipeline:
         """The worker's chunks; a worker that dies mid-stream is replaced, the stream goes on.
 
         Migration: the next worker gets the prompt plus every token already streamed, and
-        ``max_tokens`` less those, so the caller's stream continues with no gap and no repeat
-        (greedy output is the undisturbed one). Usage is reported as if one worker did it all.
+        ``max_tokens`` (``min_tokens``) less those, so the caller's stream continues with no gap and
+        no repeat; ``num_prior_output_tokens`` tells it which prompt tokens are output, so the grammar,
+        the output penalties and seeded draws go on where they were (greedy and seeded output is the
+        undisturbed one). Usage is reported as if one worker did it all.
         """
         excluded: list[str] = []
         generated: list[int] = []
@@ -301,8 +303,11 @@ class GenerationPipeline:
     def _worker_request(self, req: GenerateRequest, prompt_ids: list[int], generated: list[int], route,
                         worker_request_id: str, deadline: float) -> WorkerGenerateRequest:
         sampling = req.sampling
-        if generated and sampling.max_tokens is not None:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(generated)))
+        if generated:  # the new worker continues the output: it knows which prompt tokens are output
+            sampling = msgspec.structs.replace(
+                sampling, num_prior_output_tokens=sampling.num_prior_output_tokens + len(generated),
+                min_tokens=max(0, sampling.min_tokens - len(generated)),
+                max_tokens=None if sampling.max_tokens is None else max(1, sampling.max_tokens - len(generated)))
         return WorkerGenerateRequest(request_id=worker_request_id, prompt_token_ids=prompt_ids + generated,
                                      sampling=sampling, prefill_worker_id=route.prefill_worker_id,
                                      stream_interval=req.stream_interval, prefill_host_id=route.prefill_host_id,

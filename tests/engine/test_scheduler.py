@@ -415,3 +415,61 @@ def test_without_prefix_caching_nothing_waits():
     sched.add(a)
     sched.add(b)
     assert sched.schedule().seqs == [a, b]
+
+
+# ---- priority (vLLM's priority policy: lower first, then arrival) --------------------------------
+
+
+def prio(rid, priority, prompt_len=4, max_tokens=4, base=0):
+    return Sequence(rid, [base + i for i in range(prompt_len)],
+                    SamplingParams(max_tokens=max_tokens, priority=priority), max_model_len=1000)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    bm, sched = make(max_running_requests=1)
+    seqs = [prio("a", 0), prio("b", 5), prio("c", -3), prio("d", 0), prio("e", -3)]
+    for s in seqs:
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["c", "e", "a", "d", "b"]
+    finished, _ = run_all(sched)
+    assert [s.request_id for s in finished] == ["c", "e", "a", "d", "b"]
+    # equal priorities: first come, first served, as before
+    bm, sched = make(max_running_requests=1)
+    for s in (prio("x", 2), prio("y", 2), prio("z", 2)):
+        sched.add(s)
+    assert [s.request_id for s in run_all(sched)[0]] == ["x", "y", "z"]
+
+
+def test_running_requests_are_not_preempted_for_a_better_waiting_one():
+    bm, sched = make(max_running_requests=1)
+    low = prio("low", 9, max_tokens=6)
+    sched.add(low)
+    sched.schedule()
+    sched.add(prio("high", -9))
+    batch = sched.schedule()
+    assert batch.seqs == [low] and not batch.preempted and sched.waiting[0].request_id == "high"
+
+
+def test_out_of_pages_preempts_the_worst_priority_even_from_the_batch_and_it_waits_first_in_its_class():
+    # 4 pages of 4 tokens: b (priority 7) runs first, then a and c (priority 1) join; when a page runs
+    # out, b goes though it was admitted first and already holds a row of this step's batch
+    bm, sched = make(num_pages=4)
+    b = prio("b", 7, prompt_len=3, max_tokens=12, base=0)
+    sched.add(b)
+    finished = []
+    fake_step(sched, sched.schedule(), finished)
+    a, c = prio("a", 1, prompt_len=3, max_tokens=12, base=100), prio("c", 1, prompt_len=3, max_tokens=12, base=200)
+    late = prio("late", 7, prompt_len=3, base=300)
+    for s in (a, c):
+        sched.add(s)
+    for _ in range(10):
+        batch = sched.schedule()
+        if batch.preempted:
+            break
+        fake_step(sched, batch, finished)
+        if len(sched.running) == 3 and late not in sched.waiting:
+            sched.add(late)
+    assert batch.preempted == [b], batch.preempted
+    assert b not in batch.seqs and a in batch.seqs and len(batch.seqs) == len(batch.num_new_tokens)
+    assert [s.request_id for s in sched.waiting] == ["b", "late"]  # first among priority 7
+    fake_step(sched, batch, finished)  # the batch without b is consistent (fake_step checks every row)

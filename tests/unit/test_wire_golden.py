@@ -122,3 +122,20 @@ def test_agent_fields_go_last_and_old_peers_still_decode():
     assert b'"skip_special_tokens":true,"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,' \
         b'"logit_bias":null,"min_tokens":0,"structured_output":null,"priority":0' in encode(SamplingParams(),
                                                                                            Encoding.JSON)
+
+
+def test_migration_and_choice_fields_go_last_and_old_peers_still_decode():
+    """A moved stream's num_prior_output_tokens and n (issue 28's engine half): last, with defaults, so a
+    worker or gateway from before decodes what a newer one sends without them."""
+    from schemas.engine import SamplingParams
+    from schemas.worker import WorkerGenerateRequest
+
+    before = (b'{"max_tokens":3,"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,'
+              b'"logit_bias":null,"min_tokens":0,"structured_output":null,"priority":0}')
+    sampling = decode(before, SamplingParams, Encoding.JSON)
+    assert (sampling.num_prior_output_tokens, sampling.n) == (0, 1)
+    assert encode(SamplingParams(), Encoding.JSON).endswith(b',"priority":0,"num_prior_output_tokens":0,"n":1}')
+    moved = SamplingParams(max_tokens=3, num_prior_output_tokens=7)
+    msg = WorkerGenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=moved)
+    assert decode(encode(msg, Encoding.MSGPACK), WorkerGenerateRequest, Encoding.MSGPACK).sampling == moved
+    assert encode(moved, Encoding.MSGPACK).hex().endswith("b76e756d5f7072696f725f6f75747075745f746f6b656e7307a16e01")
