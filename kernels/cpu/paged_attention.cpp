@@ -622,9 +622,119 @@ void attend_lanes(const Params& p, int b, int h0, int nh, const float* Q_all, co
 }
 #endif
 
+// a * b + c in one rounding where the CPU has FMA, else two: written out, so that every loop that
+// computes a score does the same arithmetic whatever the compiler chooses to contract.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVBUS_AVX2 1
+// In-register 8 x 8 transpose: r[i] holds row i on entry, column i on exit.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
+// Kt [head_dim, TILE] from the tile's n key rows (zero past n).
+inline void transpose_tile(const float* const* krow, int n, int head_dim, float* Kt) {
+#if defined(KVBUS_AVX2)
+  if (head_dim % 8 == 0) {
+    for (int jb = 0; jb < TILE; jb += 8) {
+      for (int d0 = 0; d0 < head_dim; d0 += 8) {
+        __m256 blk[8];
+        for (int j = 0; j < 8; ++j) blk[j] = jb + j < n ? _mm256_loadu_ps(krow[jb + j] + d0) : _mm256_setzero_ps();
+        transpose8(blk);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(Kt + (d0 + i) * TILE + jb, blk[i]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int d = 0; d < head_dim; ++d) {
+    for (int j = 0; j < n; ++j) Kt[d * TILE + j] = krow[j][d];
+    for (int j = n; j < TILE; ++j) Kt[d * TILE + j] = 0.f;
+  }
+}
+
+// S[r, j] = Q[r] . K[j] for the R rows from the transposed tile: for every (row, key) one chain
+// of multiply-adds over d = 0, 1, ..., in that order, whether the row goes in a block of four
+// (the same Kt loads serve four rows) or alone.
+inline void tile_scores(const float* Q, int R, int head_dim, const float* Kt, float* S) {
+  int r = 0;
+#if defined(KVBUS_AVX2)
+  static_assert(TILE == 16, "two 8-lane vectors per row");
+  for (; r + 4 <= R; r += 4) {
+    __m256 s0a = _mm256_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a, s2a = s0a, s2b = s0a, s3a = s0a, s3b = s0a;
+    const float* q0 = Q + static_cast<int64_t>(r) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      const __m256 ka = _mm256_loadu_ps(Kt + d * TILE), kb = _mm256_loadu_ps(Kt + d * TILE + 8);
+      __m256 q = _mm256_broadcast_ss(q0 + d);
+      s0a = _mm256_fmadd_ps(q, ka, s0a), s0b = _mm256_fmadd_ps(q, kb, s0b);
+      q = _mm256_broadcast_ss(q0 + head_dim + d);
+      s1a = _mm256_fmadd_ps(q, ka, s1a), s1b = _mm256_fmadd_ps(q, kb, s1b);
+      q = _mm256_broadcast_ss(q0 + 2 * head_dim + d);
+      s2a = _mm256_fmadd_ps(q, ka, s2a), s2b = _mm256_fmadd_ps(q, kb, s2b);
+      q = _mm256_broadcast_ss(q0 + 3 * head_dim + d);
+      s3a = _mm256_fmadd_ps(q, ka, s3a), s3b = _mm256_fmadd_ps(q, kb, s3b);
+    }
+    float* srow = S + r * TILE;
+    _mm256_storeu_ps(srow, s0a), _mm256_storeu_ps(srow + 8, s0b);
+    _mm256_storeu_ps(srow + TILE, s1a), _mm256_storeu_ps(srow + TILE + 8, s1b);
+    _mm256_storeu_ps(srow + 2 * TILE, s2a), _mm256_storeu_ps(srow + 2 * TILE + 8, s2b);
+    _mm256_storeu_ps(srow + 3 * TILE, s3a), _mm256_storeu_ps(srow + 3 * TILE + 8, s3b);
+  }
+  for (; r < R; ++r) {
+    __m256 sa = _mm256_setzero_ps(), sb = sa;
+    const float* q0 = Q + static_cast<int64_t>(r) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      const __m256 q = _mm256_broadcast_ss(q0 + d);
+      sa = _mm256_fmadd_ps(q, _mm256_loadu_ps(Kt + d * TILE), sa);
+      sb = _mm256_fmadd_ps(q, _mm256_loadu_ps(Kt + d * TILE + 8), sb);
+    }
+    _mm256_storeu_ps(S + r * TILE, sa), _mm256_storeu_ps(S + r * TILE + 8, sb);
+  }
+#else
+  for (; r < R; ++r) {
+    float s0[TILE] = {0};
+    const float* q0 = Q + static_cast<int64_t>(r) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      const float a0 = q0[d];
+      const float* kt = Kt + d * TILE;
+#pragma omp simd
+      for (int j = 0; j < TILE; ++j) s0[j] = madd(a0, kt[j], s0[j]);
+    }
+    std::memcpy(S + r * TILE, s0, sizeof(s0));
+  }
+#endif
+}
+
 // One task: rows [row0, row0 + num_tokens) of sequence b (their positions prefix + i), KV head
 // h, KV tokens [k0, k1). Q holds the R = num_tokens * group query rows (token-major, already
 // scaled). acc / m / l receive the unnormalized result.
+// The path of every CPU without AVX-512 (and of head sizes other than 64 and 128 with it).
+// NOTE: a row's arithmetic must not depend on R (decode: R = group; an extend's last block: a
+// few tokens; a prefill block: 32 tokens): one score path for every R (a dot-product path for
+// small R once summed d in another order, and a prompt's last token got other bits from an
+// extend than from a cold prefill), the same softmax and P.V loops for every row.
 template <typename KV, int D>
 void attend(const Params& p, int b, int h, const float* Q, const int* limits, int R, int k0, int k1,
             float* acc, float* m, float* l, float* scratch) {
@@ -641,7 +751,6 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
     l[r] = 0.f;
   }
   std::fill(acc, acc + static_cast<int64_t>(R) * head_dim, 0.f);
-  const bool transpose = R >= 8;
   // Walk pages without a division per token: (page index, slot) of token k0.
   int page_idx = k0 / p.page_size, slot = k0 % p.page_size;
   const float* krow[TILE];
@@ -663,58 +772,8 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
       }
       if (++slot == p.page_size) slot = 0, ++page_idx;
     }
-    // scores S[r, j] = Q[r] . K[j]
-    if (transpose) {
-      // Kt [D, TILE]: one broadcast-FMA per d and 4 rows at once (independent accumulators)
-      for (int d = 0; d < head_dim; ++d) {
-        for (int j = 0; j < n; ++j) Kt[d * TILE + j] = krow[j][d];
-        for (int j = n; j < TILE; ++j) Kt[d * TILE + j] = 0.f;
-      }
-      int r = 0;
-      for (; r + 4 <= R; r += 4) {
-        float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};
-        const float* q0 = Q + r * head_dim;
-        const float* q1 = q0 + head_dim;
-        const float* q2 = q1 + head_dim;
-        const float* q3 = q2 + head_dim;
-        for (int d = 0; d < head_dim; ++d) {
-          const float* kt = Kt + d * TILE;
-          const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
-#pragma omp simd
-          for (int j = 0; j < TILE; ++j) {
-            s0[j] += a0 * kt[j];
-            s1[j] += a1 * kt[j];
-            s2[j] += a2 * kt[j];
-            s3[j] += a3 * kt[j];
-          }
-        }
-        std::memcpy(S + r * TILE, s0, sizeof(s0));
-        std::memcpy(S + (r + 1) * TILE, s1, sizeof(s1));
-        std::memcpy(S + (r + 2) * TILE, s2, sizeof(s2));
-        std::memcpy(S + (r + 3) * TILE, s3, sizeof(s3));
-      }
-      for (; r < R; ++r) {
-        float s0[TILE] = {0};
-        const float* q0 = Q + r * head_dim;
-        for (int d = 0; d < head_dim; ++d) {
-          const float a0 = q0[d];
-#pragma omp simd
-          for (int j = 0; j < TILE; ++j) s0[j] += a0 * Kt[d * TILE + j];
-        }
-        std::memcpy(S + r * TILE, s0, sizeof(s0));
-      }
-    } else {
-      for (int j = 0; j < n; ++j) {
-        const float* k = krow[j];
-        for (int r = 0; r < R; ++r) {
-          const float* q = Q + r * head_dim;
-          float acc_s = 0.f;
-#pragma omp simd reduction(+ : acc_s)
-          for (int d = 0; d < head_dim; ++d) acc_s += q[d] * k[d];
-          S[r * TILE + j] = acc_s;
-        }
-      }
-    }
+    transpose_tile(krow, n, head_dim, Kt);
+    tile_scores(Q, R, head_dim, Kt, S);
     // online softmax and P.V, row by row; row r sees tokens < limits[r]
     for (int r = 0; r < R; ++r) {
       const int visible = std::min(n, limits[r] - t0);
@@ -731,7 +790,7 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
         pj[j] = j < visible ? e : 0.f;
         sum += pj[j];
       }
-      l[r] = l[r] * alpha + sum;
+      l[r] = madd(l[r], alpha, sum);
       m[r] = mx;
       float* a = acc + static_cast<int64_t>(r) * head_dim;
 #pragma omp simd
@@ -740,7 +799,7 @@ void attend(const Params& p, int b, int h, const float* Q, const int* limits, in
         const float w = pj[j];
         const float* v = vrow[j];
 #pragma omp simd
-        for (int d = 0; d < head_dim; ++d) a[d] += w * v[d];
+        for (int d = 0; d < head_dim; ++d) a[d] = madd(w, v[d], a[d]);
       }
     }
   }
