@@ -54,6 +54,8 @@ class ReplyStream:
         self._next_seq = 0
         self._is_done = False
         self.request_id = headers[REQUEST_ID_HEADER]
+        # The request goes out at the first read, maybe in another task: it joins the trace it was opened in.
+        self._trace_context = tracing.current_context()
 
     async def _start(self) -> None:
         token, inbox = await self._bus._open_reply()
@@ -62,8 +64,8 @@ class ReplyStream:
         # NOTE: a stream dropped without aclose() must not stay pending forever: its token then
         # answers the server's interest probe "gone", which cancels the generation (bus/core.py).
         self._forget = weakref.finalize(self, self._bus._pending.pop, token, None)
-        with tracing.client_span(f"{self._subject.template} stream", self._headers,
-                                 **{"messaging.destination": self._name}):
+        with tracing.attached(self._trace_context), tracing.client_span(
+                f"{self._subject.template} stream", self._headers, **{"messaging.destination": self._name}):
             data = self._bus._encode_within_limit(self._message, self._subject, self._name, self._headers)
             await self._bus.transport.publish(self._name, data, self._headers, reply=inbox)
 

@@ -125,6 +125,8 @@ class LLMEngine:
         self.driver = None
         """The async face stepping this engine on its thread (``async_api.AsyncEngine``), if any:
         a step asks it first whether this thread may step, and hands it early outputs."""
+        self.last_batch: ScheduledBatch | None = None  # the latest step's batch (traces read it: timeline.py)
+        self.timelines = None  # timeline.Timelines of the requests a worker traces (None: it traces none)
         log.info(
             "engine ready: %s %s on %s, %d KV pages x %d tokens (%.2f GB, %s)",
             mc.architecture, self.dtype, config.device, num_pages, config.page_size,
@@ -225,7 +227,7 @@ class LLMEngine:
             outputs = []
         self.speculator.draft(self.scheduler.running, self.scheduler.max_spec_rows)
         self.block_manager.tier_tick()  # lower cache tiers: reclaim landed copies, start new ones
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         outputs += [self._finish(seq, "length", []) for seq in batch.out_of_pages]
         if batch.is_empty:
             if self.scheduler.loading:  # only lower-tier copies to wait for: wait (not spin) for one

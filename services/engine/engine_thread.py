@@ -2,7 +2,8 @@
 
 It runs submitted jobs (building the engine, copying KV pages) and, while an event loop streams
 from the engine, steps it back to back, handing each step's outputs to the loop with one
-``call_soon_threadsafe``.
+``call_soon_threadsafe``. When a worker traces requests, each step is then handed to the engine's
+``timelines`` (timeline.py: a few stores per traced request in the batch, never OpenTelemetry).
 
 NOTE: keep every OpenMP parallel region of a process on one thread. libgomp gives each thread
 that opens a parallel region its own pool of workers, and once a second pool exists the first
@@ -20,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -95,7 +97,13 @@ class EngineThread:
                 self.work.wait()
                 self.work.clear()
                 continue
-            outputs, error = driver.step_on_thread()
+            timelines = driver.engine.timelines  # requests a worker traces (timeline.py); falsy: none
+            if timelines:
+                started = time.monotonic()
+                outputs, error = driver.step_on_thread()
+                timelines.after_step(driver.engine, started, time.monotonic())  # before the outputs go out
+            else:
+                outputs, error = driver.step_on_thread()
             if outputs:
                 try:
                     loop.call_soon_threadsafe(driver.deliver, outputs, error)

@@ -87,6 +87,8 @@ class HostTierClient(CacheTierHooks):
                                      "hits", "misses", "dropped", "written_sync", "verify_failed", "load_back_seconds")}
         self.observe_load_back: Callable[[float], None] | None = None
         """Called with each load-back's seconds (the worker's latency histogram), on the engine thread."""
+        self.trace_log = None
+        """A trace_log.TierTraceLog when the worker traces requests: each page's moves, for its spans."""
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -188,6 +190,8 @@ class HostTierClient(CacheTierHooks):
             self.leases.give_back(slot)
             return False
         job = (self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id, staged)
+        if self.trace_log is not None:
+            self.trace_log.queued(page_hash)
         self._queue(_WRITE, (self._write_job, job))
         return True
 
@@ -200,6 +204,8 @@ class HostTierClient(CacheTierHooks):
         if slot is None:
             self.stats["dropped"] += 1
             return
+        if self.trace_log is not None:
+            self.trace_log.queued(page_hash)
         self._copy(self.arena, slot, page_hash, parent_hash, tuple(token_ids), page_id)
         self.stats["written_sync"] += 1
 
@@ -210,9 +216,13 @@ class HostTierClient(CacheTierHooks):
             self.link.commit(self.owner, arena.name, [(slot, page_hash, parent_hash)])
             self.stats["written_back"] += 1
             self.stats["write_back_bytes"] += self.page_bytes
+            if self.trace_log is not None:
+                self.trace_log.landed(page_hash, True)
             return True
         except Exception:
             log.exception("write-back of page %d failed", page_id)
+            if self.trace_log is not None:
+                self.trace_log.landed(page_hash, False)
             return False
 
     def _write_job(self, arena, slot, page_hash, parent_hash, tokens, page_id, staged) -> None:
@@ -339,5 +349,7 @@ class HostTierClient(CacheTierHooks):
         self.stats["load_back_seconds"] += seconds
         if self.observe_load_back is not None:
             self.observe_load_back(seconds)
+        if self.trace_log is not None and n:
+            self.trace_log.loaded(page_hashes[:n], seconds)
         if n:
             self.link.touch(list(page_hashes[:n]))

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bus import tracing
 from bus.core import Bus
 from bus.errors import InvalidArgument
 from schemas.transfer import TransferDescriptor, TransferTarget
@@ -50,7 +51,8 @@ class KVSender:
             raise InvalidArgument(f"{target.backend} target {target.transfer_id} is on host {target.host_id!r}, "
                                   f"this sender on {self.host_id!r}")
         payload = as_bytes(tensor)
-        sent = await sender.send(target, payload)
+        with tracing.untraced():  # one span for the transfer (the caller's), not one per chunk on the receiver
+            sent = await sender.send(target, payload)
         return TransferDescriptor(
             transfer_id=target.transfer_id, backend=target.backend, shape=list(tensor.shape),
             dtype=dtype_name(tensor.dtype), num_bytes=payload.numel(), checksum=sent.checksum,

@@ -16,7 +16,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from bus import tracing
 from bus.errors import InvalidArgument, Unavailable
+from bus.tracing import names as trace_names
 from bus.subjects import KV_EVENTS_DUMP, WORKER_GENERATE, WORKER_HEARTBEAT
 from schemas.kv_store import KVDumpReply, KVDumpRequest
 from schemas.engine import RequestOutput
@@ -33,6 +35,7 @@ from services.engine.page_hash import SCHEME as PAGE_HASH_SCHEME
 from services.metrics_http import start_metrics
 from services.workers.admission import Admission
 from services.workers.config import WorkerConfig, default_host_id
+from services.workers import trace_spans
 from services.workers.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -332,29 +335,39 @@ class WorkerActor(EngineWorker):
     async def handle_generate(self, req: WorkerGenerateRequest) -> AsyncIterator[TokenChunk]:
         from services.engine import RequestError
 
+        trace = tracing.RequestTrace.current()
+        trace.set({trace_names.WORKER_ID: self.worker_id, "kvbus.admission.running": self.engine.num_running,
+                   "kvbus.admission.waiting": self.engine.num_waiting + self.num_admitting})
         self.admit(req.deadline_s, req.sampling.max_tokens)
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-        self.num_admitting += 1
+        timeline = trace_spans.track(self, req.request_id, trace)  # the engine's stages, if traced
+        num_chunks = 0
         try:
-            outputs = await self.start_outputs(req, timings)
-            first = await anext(outputs)
-        except RequestError as exc:
-            raise InvalidArgument(str(exc)) from None
-        except StopAsyncIteration:
-            return
+            self.num_admitting += 1
+            try:
+                outputs = await self.start_outputs(req, timings)
+                first = await anext(outputs)
+            except RequestError as exc:
+                raise InvalidArgument(str(exc)) from None
+            except StopAsyncIteration:
+                return
+            finally:
+                self.num_admitting -= 1
+            timings["first_token_s"] = time.monotonic() - t0
+            interval = max(req.stream_interval, self.config.stream_interval)
+            async with contextlib.aclosing(coalesce(first, outputs, interval, timings)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+                    num_chunks += 1
+                    if chunk.finish_reason is not None and chunk.usage is not None:
+                        self.admission.observe_finished(time.monotonic() - t0, chunk.usage.completion_tokens)
+                        self.prefix_reports.append(PrefixReport(
+                            request_id=req.request_id, num_prompt_tokens=chunk.usage.prompt_tokens,
+                            num_cached_tokens=chunk.usage.cached_prompt_tokens))
         finally:
-            self.num_admitting -= 1
-        timings["first_token_s"] = time.monotonic() - t0
-        interval = max(req.stream_interval, self.config.stream_interval)
-        async with contextlib.aclosing(coalesce(first, outputs, interval, timings)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-                if chunk.finish_reason is not None and chunk.usage is not None:
-                    self.admission.observe_finished(time.monotonic() - t0, chunk.usage.completion_tokens)
-                    self.prefix_reports.append(PrefixReport(
-                        request_id=req.request_id, num_prompt_tokens=chunk.usage.prompt_tokens,
-                        num_cached_tokens=chunk.usage.cached_prompt_tokens))
+            trace.set({trace_names.NUM_CHUNKS: num_chunks})
+            trace_spans.record_engine_stages(self, trace, timeline, ended_at=time.monotonic())
 
     async def start_outputs(self, req: WorkerGenerateRequest,
                             timings: dict[str, float]) -> AsyncIterator[RequestOutput]:

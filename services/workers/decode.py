@@ -18,10 +18,13 @@ import logging
 import time
 import uuid
 
+from bus import tracing
 from bus.errors import BusError, InvalidArgument, Unavailable
+from bus.tracing import names as trace_names
 from bus.subjects import PREFILL
 from schemas.worker import PrefillRequest, WorkerGenerateRequest
 from services.liveness import WorkerLiveness
+from services.workers import trace_spans
 from services.workers.actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -140,22 +143,29 @@ class DecodeActor(WorkerActor):
             timeout = max(min(timeout, req.deadline_s), 0.001)
         peer = req.prefill_worker_id
         stream = None
+        call = tracing.RequestTrace.current().open(trace_names.REMOTE_PREFILL, {
+            trace_names.PREFILL_WORKER: peer, trace_names.BACKEND: target.backend, trace_names.PAGES_SKIPPED: skip})
         try:
-            stream = self.bus.stream(
-                PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                        sampling=req.sampling, transfer=target, deadline_s=timeout,
-                                        skip_pages=skip),
-                timeout=timeout, worker_id=peer)
+            with call.activated():  # the prefill worker's spans hang under this one
+                stream = self.bus.stream(
+                    PREFILL, PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                            sampling=req.sampling, transfer=target, deadline_s=timeout,
+                                            skip_pages=skip),
+                    timeout=timeout, worker_id=peer)
             try:
                 first = await self.liveness.guard(anext(stream), peer, f"prefill of {req.request_id}")
             except StopAsyncIteration:
                 raise Unavailable(f"prefill worker {peer} ended the prefill of {req.request_id} "
                                   f"without a token") from None
-        except BaseException:
+        except BaseException as exc:
+            call.fail(exc)
+            call.end()
             self.receiver.cancel(transfer_id)
             if stream is not None:
                 await stream.aclose()
             raise
+        call.set({trace_names.CACHED_TOKENS: first.num_cached_tokens})
+        call.end()
         timings.update({**first.timings, "prefill_call_s": time.monotonic() - t0})
         self.num_remote_prefills += 1
         outputs = self.engine.generate_prefilled(
@@ -189,6 +199,7 @@ class DecodeActor(WorkerActor):
         the prompt here instead (the caller already has the first token, so no retry elsewhere)."""
         peer = req.prefill_worker_id
         t0 = time.monotonic()
+        trace = tracing.RequestTrace.current()  # (this task's context is its request's)
         try:
             try:
                 reply = await self.liveness.guard(anext(stream), peer, f"pages of {req.request_id}")
@@ -203,6 +214,8 @@ class DecodeActor(WorkerActor):
             self.engine.provide_kv(req.request_id, None)
             raise
         except Exception as exc:  # noqa: BLE001 (whatever failed, the request must go on here)
+            trace.record(trace_names.KV_RECEIVE, t0, time.monotonic(), {trace_names.PREFILL_WORKER: peer},
+                         error=(exc.code.value, exc.message) if isinstance(exc, BusError) else ("internal", str(exc)))
             self.num_prefill_failures += 1
             log.warning("pages of %s from %s did not arrive (%s); computing its prompt here", req.request_id,
                         peer, exc.message if isinstance(exc, BusError) else (str(exc) or type(exc).__name__))
@@ -217,6 +230,13 @@ class DecodeActor(WorkerActor):
         self.transfer_pages_skipped += skip
         self.last_transfer_s = time.monotonic() - t0
         self.engine.provide_kv(req.request_id, kv, reply.kv.scales, kv_first_page=skip)
+        if trace.is_recording:
+            now = time.monotonic()
+            trace_spans.kv_arrived(self, req.request_id, now)
+            trace.record(trace_names.KV_RECEIVE, t0, now, {
+                trace_names.PREFILL_WORKER: peer, trace_names.BACKEND: reply.kv.backend,
+                trace_names.BYTES: reply.kv.num_bytes, trace_names.PAGES: num_pages,
+                trace_names.CHUNKS: reply.kv.num_chunks, trace_names.PAGES_SKIPPED: skip})
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "remote_prefills": str(self.num_remote_prefills),

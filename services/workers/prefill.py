@@ -12,9 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from bus import tracing
 from bus.errors import InvalidArgument
 from bus.subjects import PREFILL
+from bus.tracing import names as trace_names
 from schemas.worker import PrefillChunk, PrefillRequest
+from services.workers import trace_spans
 from services.workers.actor import EngineWorker
 
 
@@ -45,23 +48,35 @@ class PrefillActor(EngineWorker):
         caller while the pages travel), then the pages' transfer descriptor."""
         from services.engine import RequestError
 
+        trace = tracing.RequestTrace.current()
+        trace.set({trace_names.WORKER_ID: self.worker_id})
         self.admit(req.deadline_s)
         t0 = time.monotonic()
-        await self.prefetch_tiers(req.prompt_token_ids)  # host-tier hits load instead of recomputing
+        timeline = trace_spans.track(self, req.request_id, trace)  # the engine's stages, if traced
         try:
-            result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id,
-                                               skip_pages=req.skip_pages)
-        except RequestError as exc:
-            raise InvalidArgument(str(exc)) from None
-        t1 = time.monotonic()
-        yield PrefillChunk(first_token_id=result.first_token_id, num_cached_tokens=result.num_cached_tokens,
-                           first_logprob=result.first_logprob, timings={"prefill_s": t1 - t0})
-        descriptor = await self.sender.send(req.transfer, result.kv, scales=result.kv_scales)
-        self.num_prefilled += 1
-        self.admission.observe_finished(time.monotonic() - t0, 1)
-        yield PrefillChunk(first_token_id=result.first_token_id, kv=descriptor,
-                           num_cached_tokens=result.num_cached_tokens,
-                           timings={"transfer_send_s": time.monotonic() - t1})
+            await self.prefetch_tiers(req.prompt_token_ids)  # host-tier hits load instead of recomputing
+            try:
+                result = await self.engine.prefill(req.prompt_token_ids, req.sampling, request_id=req.request_id,
+                                                   skip_pages=req.skip_pages)
+            except RequestError as exc:
+                raise InvalidArgument(str(exc)) from None
+            t1 = time.monotonic()
+            trace_spans.record_engine_stages(self, trace, timeline, ended_at=t1)
+            timeline = None
+            yield PrefillChunk(first_token_id=result.first_token_id, num_cached_tokens=result.num_cached_tokens,
+                               first_logprob=result.first_logprob, timings={"prefill_s": t1 - t0})
+            with trace.stage(trace_names.KV_SEND, {trace_names.BACKEND: req.transfer.backend,
+                                                   trace_names.PAGES: result.kv.shape[0] if result.kv.dim() else 0,
+                                                   trace_names.PAGES_SKIPPED: req.skip_pages}) as send:
+                descriptor = await self.sender.send(req.transfer, result.kv, scales=result.kv_scales)
+                send.set({trace_names.BYTES: descriptor.num_bytes, trace_names.CHUNKS: descriptor.num_chunks})
+            self.num_prefilled += 1
+            self.admission.observe_finished(time.monotonic() - t0, 1)
+            yield PrefillChunk(first_token_id=result.first_token_id, kv=descriptor,
+                               num_cached_tokens=result.num_cached_tokens,
+                               timings={"transfer_send_s": time.monotonic() - t1})
+        finally:  # (a prefill that failed or was cancelled: its stages so far)
+            trace_spans.record_engine_stages(self, trace, timeline, ended_at=time.monotonic())
 
     def health_detail(self) -> dict[str, str]:
         return {**super().health_detail(), "prefilled": str(self.num_prefilled)}
