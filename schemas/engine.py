@@ -21,7 +21,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""OpenAI's bound on logit_bias."""
 MAX_PRIORITY = 2**31 - 1
 MAX_CHOICES = 16
 """Most choices (``n``) one request may ask for."""

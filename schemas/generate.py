@@ -97,6 +97,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     """First chunk only: seconds per phase (tokenize_s, route_s, prefill_s, transfer..., first_token_s)."""
     tool_calls: list[ToolCallDelta] | None = None
     reasoning_content: str | None = None
+    index: int = 0
+    """The choice this chunk belongs to (``sampling.n`` > 1: chunks of the n choices interleave; each
+    choice ends with its own chunk carrying ``finish_reason`` and that choice's ``usage``)."""
 
 
 class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -107,7 +107,11 @@ class Sequence:
     @property
     def generated_token_ids(self) -> list[int]:
         """The whole request's output: the prompt's prior output tokens, then this engine's."""
-        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens :]
+        return self.generated_since(0)
+
+    def generated_since(self, num_seen: int) -> list[int]:
+        """The request's output tokens after its first ``num_seen`` (without copying the rest)."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens + num_seen :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

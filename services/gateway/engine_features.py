@@ -12,14 +12,17 @@ from schemas.engine import SamplingParams
 from services.agent.tools import BadField
 
 HONOURED = {
-    "presence_penalty": False,  # SamplingParams.presence_penalty: the logits-processor chain
-    "frequency_penalty": False,  # SamplingParams.frequency_penalty: the logits-processor chain
-    "repetition_penalty": False,  # SamplingParams.repetition_penalty: the logits-processor chain
-    "logit_bias": False,  # SamplingParams.logit_bias: the logits-processor chain
-    "min_tokens": False,  # SamplingParams.min_tokens: the logits-processor chain (EOS/stop ids masked)
-    "structured_output": False,  # SamplingParams.structured_output: grammar masks (services/agent/grammar.py)
-    "priority": False,  # SamplingParams.priority: the scheduler's waiting queue
-    "osl": False,  # nvext.agent_hints.osl: the router's load estimate (no field yet: the router adds one)
+    "presence_penalty": True,  # SamplingParams.presence_penalty: the logits-processor chain
+    "frequency_penalty": True,  # SamplingParams.frequency_penalty: the logits-processor chain
+    "repetition_penalty": True,  # SamplingParams.repetition_penalty: the logits-processor chain
+    "logit_bias": True,  # SamplingParams.logit_bias: the logits-processor chain
+    "min_tokens": True,  # SamplingParams.min_tokens: the logits-processor chain (EOS/stop ids masked)
+    "structured_output": True,  # SamplingParams.structured_output: grammar masks (services/engine/logits_processors)
+    "priority": True,  # SamplingParams.priority: the scheduler's waiting queue
+    # NOTE: the router's decode load (services/router/scoring.decode_load: the KV tokens a worker holds plus
+    # those routed to it since its last heartbeat) could count a request's expected output, but no router
+    # code reads a RouteRequest field for it yet: a router change, not the engine's
+    "osl": False,  # nvext.agent_hints.osl: the router's load estimate
 }
 """What the workers honour: flip one to True when the engine half lands it."""
 

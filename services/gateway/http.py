@@ -25,9 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bus import tracing
 from bus.errors import BusError, Internal
+from bus.tracing import names as trace_names
 from schemas.generate import GenerateChunk, GenerateRequest
 from services.actor import VERSION
 from services.gateway.auth import install_auth
+from services.gateway.choices import merged_usage
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_format import ChatCompletions as _ChatCompletions
 from services.gateway.openai_format import Completions as _Completions
@@ -53,12 +55,12 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(_encoder.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def _error(exc: BaseException) -> Response:
+def _error(exc: BaseException, request_id: str | None = None) -> Response:
     status, body = error_response(exc)
-    headers = None
+    headers = {"X-Request-Id": request_id} if request_id else None
     if status in (429, 503):  # refused, not failed: say when to come back (RFC 9110 Retry-After, seconds)
         retry_after = getattr(exc, "retry_after", None) or 1.0
-        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after)))}
     return _json(body, status, headers)
 
 
@@ -109,10 +111,20 @@ async def _read_body(request: Request, limit: int) -> bytes:
 # --- the app ------------------------------------------------------------------------------------
 
 
+def _without_native_spans() -> dict:
+    """FastAPI (from 0.13x) opens spans of its own for every request once a tracer provider exists: a
+    second root beside the request's (RequestTrace.start below). The gateway's spans are kvbus's."""
+    import inspect
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "operation_spans": False}}
+
+
 def create_app(actor: GatewayActor) -> FastAPI:
     pipeline: GenerationPipeline = actor.pipeline
     metrics = actor.metrics
-    app = FastAPI(title="kvbus gateway", version=VERSION, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvbus gateway", version=VERSION, docs_url=None, redoc_url=None, **_without_native_spans())
     install_auth(app, actor.config)  # API keys on /v1 when configured (services/gateway/auth.py)
     started = int(time.time())
 
@@ -139,27 +151,38 @@ def create_app(actor: GatewayActor) -> FastAPI:
                                     exc.code.value)
             return _error(exc)
         request_id = kind.id_prefix + uuid.uuid4().hex
-        # One span from the HTTP request to the first token (the streamed rest is the worker's span);
-        # a W3C traceparent header from the client makes it part of the client's trace.
-        with tracing.server_span(f"POST {request.url.path}", dict(request.headers),
-                                 **{"kvbus.request_id": request_id}) as span:
-            try:
-                return await respond(request, kind, openai_req, gen_req, request_id)
-            except BusError as exc:
-                tracing.mark_error(span, exc.code.value, exc.message)
-                return _error(exc)
-            except ClientGone:
-                return Response(status_code=499)
+        # The request's root span, until its last byte left (a streamed response ends it); a W3C
+        # traceparent header from the client makes it part of the client's trace.
+        trace = tracing.RequestTrace.start(f"POST {request.url.path}", request.headers, request_id=request_id,
+                                           attributes={"http.request.method": "POST", "url.path": request.url.path,
+                                                       trace_names.REQUEST_STREAM: bool(openai_req.stream)})
+        response = None
+        try:
+            response = await respond(request, kind, openai_req, gen_req, request_id, trace)
+            return response
+        except BusError as exc:
+            trace.error(exc.code.value, exc.message)
+            return _error(exc, request_id)
+        except ClientGone:
+            trace.set({"kvbus.cancelled": True})
+            return Response(status_code=499, headers={"X-Request-Id": request_id})
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        finally:
+            if not isinstance(response, _ClosingStreamingResponse):
+                trace.end()
 
     async def respond(request: Request, kind: type[_Completions], openai_req: Any, gen_req: GenerateRequest,
-                      request_id: str) -> Response:
-        wants_logprobs = gen_req.sampling.logprobs is not None
+                      request_id: str, trace: tracing.RequestTrace) -> Response:
+        wants_logprobs, num_choices = gen_req.sampling.logprobs is not None, gen_req.sampling.n
         if not openai_req.stream:
-            reply = await _until_disconnected(
-                request, pipeline.generate_once(gen_req, request_id=request_id, endpoint=kind.endpoint))
-            fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs)
-            return _json(await fmt.whole(reply), headers={"X-Request-Id": request_id})
-        chunks = pipeline.generate(gen_req, request_id=request_id, endpoint=kind.endpoint)
+            replies = await _until_disconnected(
+                request, pipeline.generate_choices(gen_req, request_id=request_id, endpoint=kind.endpoint,
+                                                   trace=trace))
+            fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs, num_choices)
+            return _json(await fmt.whole_choices(replies), headers={"X-Request-Id": request_id})
+        chunks = pipeline.generate(gen_req, request_id=request_id, endpoint=kind.endpoint, trace=trace)
         try:
             first = await _until_disconnected(request, anext(chunks, None))
         except BaseException:
@@ -167,9 +190,9 @@ def create_app(actor: GatewayActor) -> FastAPI:
             raise
         if first is None:
             raise Internal(f"the worker's stream for {request_id} ended before any chunk")
-        fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs)
+        fmt = kind(pipeline, request_id, await pipeline.model_name(), wants_logprobs, num_choices)
         include_usage = bool(openai_req.stream_options and openai_req.stream_options.include_usage)
-        return _ClosingStreamingResponse(_sse_events(fmt, first, chunks, include_usage),
+        return _ClosingStreamingResponse(_ending(_sse_events(fmt, first, chunks, include_usage), trace),
                                          media_type="text/event-stream",
                                          headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
 
@@ -208,21 +231,32 @@ def create_app(actor: GatewayActor) -> FastAPI:
     return app
 
 
+async def _ending(events: AsyncIterator[bytes], trace: tracing.RequestTrace) -> AsyncIterator[bytes]:
+    """``events``, then the request's trace ends: its last byte left (or the client went away)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+        trace.end()
+
+
 async def _sse_events(fmt: _Completions, first: GenerateChunk, chunks: AsyncIterator[GenerateChunk],
                       include_usage: bool) -> AsyncIterator[bytes]:
-    usage = None
+    usages = {}  # by choice
     try:
         for event in fmt.opening():
             yield event
         chunk: GenerateChunk | None = first
         while chunk is not None:
-            usage = chunk.usage or usage
+            if chunk.usage is not None:
+                usages[chunk.index] = chunk.usage
             event = await fmt.piece(chunk)
             if event is not None:
                 yield event
             chunk = await anext(chunks, None)
-        if include_usage and usage is not None:
-            yield fmt.usage_event(usage)
+        if include_usage and usages:
+            yield fmt.usage_event(merged_usage([usages[i] for i in sorted(usages)]))
     except Exception as exc:  # after the 200 went out, errors travel as an SSE event
         if not isinstance(exc, BusError):
             log.exception("stream %s failed", fmt.id)

@@ -14,6 +14,7 @@ import msgspec
 
 from schemas.engine import Usage
 from schemas.generate import GenerateChunk, GenerateReply, ToolCallDelta
+from services.gateway.choices import merged_usage
 from services.gateway.openai_mapping import (
     chat_logprobs,
     chat_to_generate,
@@ -58,25 +59,30 @@ class Completions:
     endpoint, id_prefix = "completions", "cmpl-"
     request_type, to_generate = CompletionRequest, staticmethod(completion_to_generate)
 
-    def __init__(self, pipeline: GenerationPipeline, request_id: str, model: str, wants_logprobs: bool):
+    def __init__(self, pipeline: GenerationPipeline, request_id: str, model: str, wants_logprobs: bool,
+                 num_choices: int = 1):
         self.pipeline, self.id, self.model, self.wants_logprobs = pipeline, request_id, model, wants_logprobs
+        self.num_choices = num_choices
         self.created = int(time.time())
-        self.offset = 0
+        self.offsets = [0] * num_choices  # each choice's text so far (legacy logprobs' text_offset)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, object="text_completion", created=self.created, model=self.model,
                                   choices=choices, usage=usage_info(usage) if usage else None)
 
-    async def _logprobs(self, logprobs) -> Any:
+    async def _logprobs(self, logprobs, index: int = 0) -> Any:
         if not self.wants_logprobs or logprobs is None:
             return None
         texts = await self.pipeline.token_texts(logprob_token_ids(logprobs))
-        return completion_logprobs(logprobs, texts, self.offset)
+        return completion_logprobs(logprobs, texts, self.offsets[index])
 
     async def whole(self, reply: GenerateReply) -> CompletionResponse:
-        choice = CompletionChoice(text=reply.text, logprobs=await self._logprobs(reply.logprobs),
-                                  finish_reason=reply.finish_reason)
-        return self._response([choice], reply.usage)
+        return await self.whole_choices([reply])
+
+    async def whole_choices(self, replies: list[GenerateReply]) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=r.text, logprobs=await self._logprobs(r.logprobs),
+                                    finish_reason=r.finish_reason) for i, r in enumerate(replies)]
+        return self._response(choices, merged_usage([r.usage for r in replies]))
 
     def opening(self) -> list[bytes]:
         return []
@@ -84,9 +90,10 @@ class Completions:
     async def piece(self, chunk: GenerateChunk) -> bytes | None:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
             return None
-        choice = CompletionChoice(text=chunk.text, logprobs=await self._logprobs(chunk.logprobs),
+        choice = CompletionChoice(index=chunk.index, text=chunk.text,
+                                  logprobs=await self._logprobs(chunk.logprobs, chunk.index),
                                   finish_reason=chunk.finish_reason)
-        self.offset += len(chunk.text)
+        self.offsets[chunk.index] += len(chunk.text)
         return sse(self._response([choice]))
 
     def usage_event(self, usage: Usage) -> bytes:
@@ -97,7 +104,7 @@ class ChatCompletions(Completions):
     endpoint, id_prefix = "chat_completions", "chatcmpl-"
     request_type, to_generate = ChatCompletionRequest, staticmethod(chat_to_generate)
 
-    async def _logprobs(self, logprobs) -> Any:
+    async def _logprobs(self, logprobs, index: int = 0) -> Any:
         # NOTE: logprobs cover every generated token, a tool call's text included
         if not self.wants_logprobs or logprobs is None:
             return None
@@ -107,25 +114,28 @@ class ChatCompletions(Completions):
         return sse(ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                        model=self.model, choices=choices, usage=usage_info(usage) if usage else None))
 
-    async def whole(self, reply: GenerateReply) -> ChatCompletionResponse:
-        message = ChatMessageOut(
-            content=reply.text or (None if reply.tool_calls or reply.reasoning_content else ""),
-            tool_calls=reply.tool_calls or msgspec.UNSET,
-            reasoning_content=reply.reasoning_content if reply.reasoning_content is not None else msgspec.UNSET)
-        choice = ChatChoice(message=message, logprobs=await self._logprobs(reply.logprobs),
-                            finish_reason=reply.finish_reason)
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_info(reply.usage))
+    async def whole_choices(self, replies: list[GenerateReply]) -> ChatCompletionResponse:
+        choices = []
+        for i, reply in enumerate(replies):
+            message = ChatMessageOut(
+                content=reply.text or (None if reply.tool_calls or reply.reasoning_content else ""),
+                tool_calls=reply.tool_calls or msgspec.UNSET,
+                reasoning_content=reply.reasoning_content if reply.reasoning_content is not None else msgspec.UNSET)
+            choices.append(ChatChoice(index=i, message=message, logprobs=await self._logprobs(reply.logprobs),
+                                      finish_reason=reply.finish_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=usage_info(merged_usage([r.usage for r in replies])))
 
     def opening(self) -> list[bytes]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                for i in range(self.num_choices)]
 
     async def piece(self, chunk: GenerateChunk) -> bytes | None:
         if not (chunk.text or chunk.tool_calls or chunk.reasoning_content or chunk.finish_reason or chunk.logprobs):
             return None
         delta = ChatDelta(content=chunk.text or None, reasoning_content=chunk.reasoning_content or None,
                           tool_calls=[tool_call_delta(d) for d in chunk.tool_calls] if chunk.tool_calls else None)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=await self._logprobs(chunk.logprobs),
+        return self._chunk([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=await self._logprobs(chunk.logprobs),
                                             finish_reason=chunk.finish_reason)])
 
     def usage_event(self, usage: Usage) -> bytes:

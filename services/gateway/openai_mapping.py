@@ -121,8 +121,6 @@ def with_session(gen: GenerateRequest, header: str | None, user: str | None) -> 
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.n != 1:  # NOTE: n > 1 needs the engine half (one prompt's pages shared by n sequences)
-        raise BadParam("n", f"n must be 1: kvbus returns one choice per request (got n={req.n})")
     hints = req.nvext.agent_hints if req.nvext is not None else None
     if hints is not None:
         if hints.strict_priority is not None:
@@ -156,7 +154,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens, priority=priority,
+            logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens, priority=priority, n=req.n,
         )
     except InvalidSamplingParams as exc:
         message = str(exc)  # "<field> must ...": the field is the param

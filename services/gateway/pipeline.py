@@ -7,6 +7,7 @@ so limits, retries and metrics are the same on every entry point.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -17,18 +18,21 @@ import msgspec
 from bus import Bus, BusError, Cancelled, Internal, InvalidArgument, Overloaded, Timeout, Unavailable
 from bus.core import REQUEST_ID_HEADER, StreamBroken
 from bus.errors import HTTP_STATUS, ErrorCode
+from bus.tracing import NO_TRACE, RequestTrace
+from bus.tracing import names as trace_names
 from bus.subjects import HEALTH, ROUTE, TOKENIZER_CHAT, TOKENIZER_DECODE, TOKENIZER_ENCODE, TOKENIZER_INFO, \
     WORKER_GENERATE
 from schemas.common import HealthReply, HealthRequest
-from schemas.engine import TokenLogprob, Usage
+from schemas.engine import Usage
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from schemas.tokenizer import ChatTemplateRequest, DecodeRequest, EncodeRequest, TokenizerInfoReply, \
     TokenizerInfoRequest
 from schemas.worker import RouteRequest, TokenChunk, WorkerGenerateRequest
-from services.agent.output import merge_tool_calls
-from services.gateway import agent_request
+from services.agent.tools import BadField
+from services.gateway import agent_request, choices
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_trace import AttemptTrace, GatewayTrace
 from services.gateway.stop_span import HeldText
 from services.gateway.validation import check_before_work
 from services.liveness import WorkerDied, WorkerLiveness
@@ -109,22 +113,28 @@ class GenerationPipeline:
         return {i: self._token_texts[i] for i in token_ids}
 
     # --- validation and tokenization -------------------------------------------------------
-    async def prompt_token_ids(self, req: GenerateRequest) -> list[int]:
-        """Check the request and return the prompt as token ids; raises InvalidArgument."""
+    async def prompt_token_ids(self, req: GenerateRequest, trace: RequestTrace = NO_TRACE) -> list[int]:
+        """Check the request and return the prompt as token ids; raises InvalidArgument. ``trace``: the
+        request's, for the tokenizer's stage."""
         check_before_work(req, await self.context_length())  # limits before any tokenizer work
         served = await self.model_name()
         if req.model is not None and req.model != served:
             raise UnknownModel(f"model {req.model!r} is not served here; this gateway serves {served!r}")
         info = await self.info()
+        bias = req.sampling.logit_bias
+        if bias and max(bias) >= info.vocab_size:  # (the engine checks again against its model)
+            raise BadField("logit_bias", f"logit_bias token ids must be in [0, {info.vocab_size}), got {max(bias)}")
         timeout = self.config.call_timeout
         if req.prompt is not None:
-            ids = (await self.bus.request(TOKENIZER_ENCODE, EncodeRequest(text=req.prompt), timeout=timeout)).ids
+            with trace.stage(trace_names.TOKENIZE):
+                ids = (await self.bus.request(TOKENIZER_ENCODE, EncodeRequest(text=req.prompt), timeout=timeout)).ids
         elif req.messages is not None:
             if not info.has_chat_template:
                 raise InvalidArgument(f"model {served} has no chat template; send a plain prompt instead")
             extras = {k: v for k in ("tools", "chat_template_kwargs") if (v := getattr(req, k))}
-            ids = (await self.bus.request(TOKENIZER_CHAT, ChatTemplateRequest(messages=req.messages, **extras),
-                                          timeout=timeout)).ids
+            with trace.stage(trace_names.CHAT_TEMPLATE):
+                ids = (await self.bus.request(TOKENIZER_CHAT, ChatTemplateRequest(messages=req.messages, **extras),
+                                              timeout=timeout)).ids
         else:
             ids = list(req.prompt_token_ids)
             bad = [i for i in ids if not 0 <= i < info.vocab_size]
@@ -148,8 +158,10 @@ class GenerationPipeline:
 
     # --- generation -------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, *, request_id: str, endpoint: str,
-                       deadline: float | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream the generation; every way out is counted in the metrics under ``endpoint``.
+                       deadline: float | None = None, trace: RequestTrace | None = None
+                       ) -> AsyncIterator[GenerateChunk]:
+        """Stream the generation; every way out is counted in the metrics under ``endpoint``, and told
+        in the request's trace (``trace``, default: the span the current message is handled in).
 
         ``deadline`` (time.monotonic()) is when the caller stops waiting; the earliest of it,
         ``req.timeout_s`` and ``generate_timeout`` bounds the generation on every hop.
@@ -161,6 +173,8 @@ class GenerationPipeline:
         self.num_inflight += 1
         started = time.monotonic()
         error: BusError | None = None
+        gtrace = GatewayTrace(trace or RequestTrace.current(), req, request_id=request_id, endpoint=endpoint,
+                              started=started)
         try:
             if req.timeout_s is not None and not req.timeout_s > 0:
                 raise InvalidArgument(f"timeout_s must be > 0, got {req.timeout_s}")
@@ -168,27 +182,35 @@ class GenerationPipeline:
             ends += [deadline] if deadline is not None else []
             ends += [started + req.timeout_s] if req.timeout_s is not None else []
             req = agent_request.prepare(req, self.config)  # tools, structured output (docs/agents.md)
-            parser = agent_request.parser_for(req, self.config)
-            prompt_ids = await self.prompt_token_ids(req)
+            parsers = [agent_request.parser_for(req, self.config) for _ in range(req.sampling.n)]
+            prompt_ids = await self.prompt_token_ids(req, gtrace.trace)
             timings = {"tokenize_s": time.monotonic() - started}
-            first = last = None
-            async for chunk in self._stream_from_worker(req, prompt_ids, request_id, min(ends), timings):
+            if gtrace.is_recording:
+                gtrace.set_model(await self.model_name())
+            first: dict[int, float] = {}
+            last: dict[int, float] = {}
+            num_finished = 0
+            async for index, chunk in self._choices(req, prompt_ids, request_id, min(ends), timings, gtrace.trace):
                 now = time.monotonic()
+                gtrace.chunk(index, chunk, now)
                 if chunk.token_ids:
-                    if last is None:
-                        first = now
-                        self.metrics.ttft.observe(now - started)
+                    if index not in last:
+                        first[index] = now
+                        if len(first) == 1:
+                            self.metrics.ttft.observe(now - started)
                     else:
-                        self.metrics.itl.observe((now - last) / len(chunk.token_ids))
-                    last = now
+                        self.metrics.itl.observe((now - last[index]) / len(chunk.token_ids))
+                    last[index] = now
                     self.metrics.generation_tokens.inc(len(chunk.token_ids))
                 if chunk.usage is not None:
-                    self.metrics.observe_usage(chunk.usage, now - first if first is not None else 0.0)
-                    self.metrics.e2e.observe(now - started)
+                    self.metrics.observe_usage(chunk.usage, now - first.get(index, now))
+                    num_finished += 1
+                    if num_finished == req.sampling.n:
+                        self.metrics.e2e.observe(now - started)
                 out = GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
                                     finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
-                                    timings={**timings, **chunk.timings} if chunk.timings else None)
-                yield parser.chunk(out) if parser is not None else out
+                                    timings={**timings, **chunk.timings} if chunk.timings else None, index=index)
+                yield parsers[index].chunk(out) if parsers[index] is not None else out
         except BusError as exc:
             error = exc
             raise
@@ -200,6 +222,7 @@ class GenerationPipeline:
             raise
         finally:
             self.num_inflight -= 1
+            gtrace.finish(error)
             if error is None:
                 self.metrics.observe_request(endpoint, 200)
             else:
@@ -207,33 +230,36 @@ class GenerationPipeline:
 
     async def generate_once(self, req: GenerateRequest, *, request_id: str, endpoint: str,
                             deadline: float | None = None) -> GenerateReply:
-        """The whole generation as one reply."""
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        reasoning: list[str] = []
-        call_deltas = []
-        finish_reason, usage = None, None
-        async for chunk in self.generate(req, request_id=request_id, endpoint=endpoint, deadline=deadline):
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs or ())
-            reasoning.append(chunk.reasoning_content or "")
-            call_deltas.extend(chunk.tool_calls or ())
-            finish_reason = chunk.finish_reason or finish_reason
-            usage = chunk.usage or usage
-        if finish_reason is None:
-            raise Internal(f"the worker's stream ended without a finish reason (request id {request_id})")
-        if usage is None:
-            usage = Usage(prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=len(token_ids))
-        return GenerateReply(text="".join(texts), token_ids=token_ids, finish_reason=finish_reason, usage=usage,
-                             logprobs=logprobs if req.sampling.logprobs is not None else None,
-                             tool_calls=merge_tool_calls(call_deltas) or None,
-                             reasoning_content="".join(reasoning) or None)
+        """The whole generation as one reply (one choice: n > 1 streams, or HTTP's ``generate_choices``)."""
+        if req.sampling.n > 1:
+            raise BadField("sampling.n", "sampling.n > 1 needs a stream: use kvbus.v1.generate, whose chunks carry "
+                                         "their choice's index")
+        return (await self.generate_choices(req, request_id=request_id, endpoint=endpoint, deadline=deadline))[0]
+
+    async def generate_choices(self, req: GenerateRequest, *, request_id: str, endpoint: str,
+                               deadline: float | None = None, trace: RequestTrace | None = None
+                               ) -> list[GenerateReply]:
+        """The whole generation as one reply per choice (``sampling.n`` of them)."""
+        return await choices.replies(self.generate(req, request_id=request_id, endpoint=endpoint, deadline=deadline,
+                                                   trace=trace), req, request_id)
+
+    def _choices(self, req: GenerateRequest, prompt_ids: list[int], request_id: str, deadline: float,
+                 timings: dict[str, float], trace: RequestTrace = NO_TRACE) -> AsyncIterator[tuple[int, TokenChunk]]:
+        """(choice index, chunk): one stream, or ``sampling.n`` of them sharing the prompt (choices.py)."""
+        if req.sampling.n == 1:
+            return _indexed(self._stream_from_worker(req, prompt_ids, request_id, deadline, timings, trace=trace))
+        return choices.stream_choices(req.sampling.n, lambda i, route: self._stream_from_worker(
+            choices.choice_request(req, i), prompt_ids, f"{request_id}.{i}", deadline, timings if i == 0 else {},
+            route_hint=route, trace=trace))
 
     async def _stream_from_worker(self, req: GenerateRequest, prompt_ids: list[int], request_id: str,
-                                  deadline: float, timings: dict[str, float]) -> AsyncIterator[TokenChunk]:
+                                  deadline: float, timings: dict[str, float],
+                                  route_hint: list | None = None, trace: RequestTrace = NO_TRACE
+                                  ) -> AsyncIterator[TokenChunk]:
         """The worker's chunks; a worker that dies mid-stream is replaced, the stream goes on.
+
+        ``route_hint`` (n choices): the first attempt goes where its first route does, or, empty, its
+        route is put there for the other choices.
 
         Migration: the next worker gets the prompt plus every token already streamed, and
         ``max_tokens`` (``min_tokens``) less those, so the caller's stream continues with no gap and
@@ -246,12 +272,20 @@ class GenerationPipeline:
         emitted: list[str] = []
         pending_text = ""
         num_retries = num_migrations = 0
+        attempts = AttemptTrace(trace)  # the route, worker and migration spans of each attempt
         for attempt in itertools.count():
             t_route = time.monotonic()
-            route = await self.bus.request(
-                ROUTE, RouteRequest(request_id=request_id, prompt_token_ids=prompt_ids + generated,
-                                    session_id=req.session_id, exclude_worker_ids=excluded),
-                timeout=min(self.config.call_timeout, max(deadline - t_route, 0.001)))
+            if attempt == 0 and route_hint:
+                route = route_hint[0]
+            else:
+                with attempts.route_stage(attempt, excluded) as route_stage:
+                    route = await self.bus.request(
+                        ROUTE, RouteRequest(request_id=request_id, prompt_token_ids=prompt_ids + generated,
+                                            session_id=req.session_id, exclude_worker_ids=excluded),
+                        timeout=min(self.config.call_timeout, max(deadline - t_route, 0.001)))
+                    attempts.routed(route_stage, route)
+                if attempt == 0 and route_hint is not None:
+                    route_hint.append(route)
             if attempt == 0:
                 timings["route_s"] = time.monotonic() - t_route
             worker_id = route.decode_worker_id
@@ -260,8 +294,10 @@ class GenerationPipeline:
             # a migrated stream: the text the dead worker held back goes in front, and a stop string
             # begun in it may end in the new worker's text (stop_span.py)
             held = HeldText(pending_text, req.sampling.stop) if num_before else None
+            worker_span = attempts.open_worker(attempt, route, num_before)
             try:
-                async for chunk in self._chunks_from(worker_id, message, request_id, deadline):
+                async for chunk in self._chunks_from(worker_id, message, request_id, deadline, worker_span):
+                    attempts.first_chunk(worker_id)
                     if held is not None:  # count as if one worker did it all
                         out, ends = held.feed(_continued(chunk, num_before, ""))
                     else:
@@ -277,6 +313,7 @@ class GenerationPipeline:
                         return
                 return
             except Unavailable as exc:
+                attempts.failed(exc)
                 died = isinstance(exc, WorkerDied)
                 broken = isinstance(exc, StreamBroken)  # the connection lost chunks; the worker may be fine
                 if not broken:
@@ -295,10 +332,16 @@ class GenerationPipeline:
                                       f"{self.config.max_migrations})", request_id=request_id) from None
                 num_migrations += 1
                 self.num_migrations += 1
+                attempts.migrating(exc, from_worker=worker_id, num_tokens=len(generated))
                 log.warning("worker %s failed for %s after %d tokens (%s); migrating (%d/%d)", worker_id,
                             request_id, len(generated), exc.message, num_migrations, self.config.max_migrations)
                 if generated:
                     pending_text = await self._missing_text(req, generated, "".join(emitted))
+            except BaseException as exc:  # a timeout, the caller gone, a bug: the attempt's span says so
+                attempts.failed(exc)
+                raise
+            finally:
+                attempts.ended()
 
     def _worker_request(self, req: GenerateRequest, prompt_ids: list[int], generated: list[int], route,
                         worker_request_id: str, deadline: float) -> WorkerGenerateRequest:
@@ -314,15 +357,16 @@ class GenerationPipeline:
                                      deadline_s=max(deadline - time.monotonic(), 0.0))
 
     async def _chunks_from(self, worker_id: str, message: WorkerGenerateRequest, request_id: str,
-                           deadline: float) -> AsyncIterator[TokenChunk]:
+                           deadline: float, attempt: RequestTrace = NO_TRACE) -> AsyncIterator[TokenChunk]:
         # One id per attempt (the worker's engine and the bus's cancel both key on it), distinct from
         # the caller's: a caller's cancel reaches the worker only through this gateway closing the stream.
         # Leaving this block early (error, timeout, our caller cancelled or closed us) closes the
         # stream, which publishes a CancelEvent: the worker aborts and frees its pages.
-        async with self.bus.stream(WORKER_GENERATE, message, timeout=self.config.stream_stall_timeout,
-                                   headers={REQUEST_ID_HEADER: message.request_id},
-                                   deadline=message.deadline_s + DEADLINE_GRACE_S,
-                                   worker_id=worker_id) as chunks:
+        with attempt.activated():  # the worker's spans hang under the attempt's
+            stream = self.bus.stream(WORKER_GENERATE, message, timeout=self.config.stream_stall_timeout,
+                                     headers={REQUEST_ID_HEADER: message.request_id},
+                                     deadline=message.deadline_s + DEADLINE_GRACE_S, worker_id=worker_id)
+        async with stream as chunks:
             dead = self.liveness.watch(worker_id) if self.liveness is not None else None
             if dead is not None:
                 dead.add_done_callback(lambda f: f.cancelled() or chunks.abort(WorkerDied(
@@ -377,6 +421,12 @@ class GenerationPipeline:
         except BusError:
             return ""
         return reply.text[len(emitted):] if reply.text.startswith(emitted) else ""
+
+
+async def _indexed(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[tuple[int, TokenChunk]]:
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield 0, chunk
 
 
 def _continued(chunk: TokenChunk, num_before: int, pending_text: str) -> TokenChunk:

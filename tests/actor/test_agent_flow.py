@@ -4,8 +4,8 @@ The default model (SmolLM2-135M-Instruct) has no tool template, so kvbus renders
 format (docs/agents.md), and the model is not tuned for tools: asked cold, it answers in prose. Shown
 the convention three times in the history, it makes the call itself under greedy decoding (checked
 below against its raw tokens), so the tests here see a real call parsed from real output, and
-cannot pass on an empty reply. Forcing a call (tool_choice required or named) needs constrained
-decoding, the engine half of issue 28: those requests are refused for now (tests/unit/test_agent_mapping.py).
+cannot pass on an empty reply. Forcing a call (tool_choice required or named) is constrained decoding,
+the engine half of issue 28: tests/actor/test_agent_engine.py.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ async def test_bad_agent_input_is_refused_on_http_and_nats_alike(cluster):
         ({"messages": HISTORY, "tools": [bad_schema]}, "tools[0].function.parameters", "not a valid JSON Schema"),
         ({"messages": HISTORY, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice.function.name", "not in tools"),
-        ({"messages": HISTORY, "response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+        ({"messages": HISTORY, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "r", "schema": {"type": "objekt"}}}}, "response_format.json_schema.schema", "JSON Schema"),
     ]
     async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
         for body, param, match in cases:

@@ -423,9 +423,9 @@ async def test_http_errors_are_openai_shaped(core, engine, worker_config):
             assert response.status_code == 405
         async with cluster.openai() as client:
             with pytest.raises(openai.BadRequestError) as info:
-                await client.chat.completions.create(model="SmolLM2-135M-Instruct", n=2,
+                await client.chat.completions.create(model="SmolLM2-135M-Instruct", n=17,
                                                      messages=[{"role": "user", "content": "hi"}])
-            assert info.value.status_code == 400 and "n must be 1" in info.value.message
+            assert info.value.status_code == 400 and "n must be in [1, 16]" in info.value.message
             assert info.value.body["param"] == "n"
             with pytest.raises(openai.BadRequestError, match="top_p must be in"):
                 await client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", top_p=2.0)

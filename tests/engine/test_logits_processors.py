@@ -198,3 +198,25 @@ def test_grammar_masks_per_row_match_stepping_and_a_failing_grammar_fails_alone(
                    errors)
     assert list(errors) == [2] and "does not fit the grammar" in errors[2]
     assert plain.logits_state.grammar.matcher.num_tokens == k + 1
+
+
+def test_bad_logit_work_is_refused_when_the_request_arrives():
+    from schemas.engine import InvalidSamplingParams
+    from services.engine.intake import RequestIntake
+    from services.engine.outputs import RequestError
+
+    with pytest.raises(InvalidSamplingParams, match="at most 300"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(301)})  # OpenAI's bound
+    with pytest.raises(InvalidSamplingParams, match=r"n must be in \[1, 16\]"):
+        SamplingParams(n=17)
+    intake = RequestIntake(tokenizer=None, vocab_size=V, max_model_len=64, eos_token_ids=frozenset({EOS}),
+                           pages_for=lambda n: -(-n // 16), num_pages=8)
+    for params, match in [(SamplingParams(logit_bias={V: 1.0}), rf"logit_bias token ids must be in \[0, {V}\)"),
+                          (SamplingParams(num_prior_output_tokens=3), "must be less than the prompt's 3 tokens"),
+                          (SamplingParams(n=2), "one sequence per request"),
+                          (SamplingParams(structured_output=StructuredOutput(kind="json_object")), "needs the tokenizer")]:
+        with pytest.raises(RequestError, match=match):
+            intake.new_sequence("r", [1, 2, 3], params)
+    seq = intake.new_sequence("ok", [1, 2, 3], SamplingParams(min_tokens=2, num_prior_output_tokens=1))
+    assert seq.logits_state is not None and seq.generated_token_ids == [3] and seq.num_generated_tokens == 1
+    assert intake.new_sequence("plain", [1, 2], SamplingParams(temperature=0.3)).logits_state is None

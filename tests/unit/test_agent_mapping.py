@@ -125,9 +125,9 @@ def test_nats_callers_get_the_same_checks():
         ChatMessage(role="tool", content="3")
 
 
-# --- what the engine does not serve yet: refused by name, until its line in engine_features flips --
+# --- the engine-side extras: honoured ones reach the worker; what is not served is refused by name ---
 
-UNSERVED = [
+AGENT_EXTRAS = [
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
     ({"frequency_penalty": -0.5}, "frequency_penalty", "frequency_penalty"),
     ({"repetition_penalty": 1.1}, "repetition_penalty", "repetition_penalty"),
@@ -143,6 +143,7 @@ UNSERVED = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
      "structured_output"),
 ]
+UNSERVED = [case for case in AGENT_EXTRAS if not engine_features.HONOURED[case[2]]]
 
 
 @pytest.mark.parametrize("body,param,feature", UNSERVED)
@@ -153,8 +154,12 @@ def test_unserved_parameters_are_refused_by_name(body, param, feature):
     assert engine_features.HONOURED[feature] is False
 
 
-@pytest.mark.parametrize("body,param,feature", UNSERVED)
-def test_flipping_a_feature_on_lets_it_through_to_the_worker(monkeypatch, body, param, feature):
+def test_what_stays_refused_is_the_routers_osl():
+    assert [feature for _, _, feature in UNSERVED] == ["osl"]
+
+
+@pytest.mark.parametrize("body,param,feature", AGENT_EXTRAS)
+def test_honoured_features_go_through_to_the_worker(monkeypatch, body, param, feature):
     monkeypatch.setitem(engine_features.HONOURED, feature, True)
     if feature == "osl":  # the router's: the gateway has nowhere to put it until the router takes it
         return
@@ -173,13 +178,11 @@ def test_flipping_a_feature_on_lets_it_through_to_the_worker(monkeypatch, body, 
         assert getattr(s, feature) == body[feature]
 
 
-def test_nats_sampling_fields_are_refused_under_their_own_names():
-    req = GenerateRequest(prompt="x", sampling=SamplingParams(presence_penalty=1.0))
-    with pytest.raises(BadParam, match="not supported yet") as info:
-        prepare(req, CONFIG)
-    assert info.value.param == "sampling.presence_penalty"
+def test_nats_sampling_fields_go_through_and_bad_ones_are_refused_under_their_own_names():
+    req = GenerateRequest(prompt="x", sampling=SamplingParams(presence_penalty=1.0, min_tokens=2, priority=3))
+    assert prepare(req, CONFIG).sampling == req.sampling
     req = GenerateRequest(prompt="x", sampling=SamplingParams(structured_output=StructuredOutput(kind="regex",
-                                                                                                 spec="(a|b)+")))
+                                                                                                 spec="(a|b")))
     with pytest.raises(BadParam) as info:
         prepare(req, CONFIG)
     assert info.value.param == "sampling.structured_output"
@@ -204,10 +207,9 @@ def test_stop_strings_and_max_completion_tokens():
 
 
 def test_completions_take_the_sampling_extras_too():
-    body = msgspec.json.encode({"prompt": "x", "min_tokens": 2})
-    with pytest.raises(BadParam, match="not supported yet") as info:
-        completion_to_generate(decode_body(body, CompletionRequest))
-    assert info.value.param == "min_tokens"
+    body = msgspec.json.encode({"prompt": "x", "min_tokens": 2, "repetition_penalty": 1.2})
+    sampling = completion_to_generate(decode_body(body, CompletionRequest)).sampling
+    assert (sampling.min_tokens, sampling.repetition_penalty) == (2, 1.2)
 
 
 # --- replies --------------------------------------------------------------------------------------

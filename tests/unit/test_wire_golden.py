@@ -139,3 +139,6 @@ def test_migration_and_choice_fields_go_last_and_old_peers_still_decode():
     msg = WorkerGenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=moved)
     assert decode(encode(msg, Encoding.MSGPACK), WorkerGenerateRequest, Encoding.MSGPACK).sampling == moved
     assert encode(moved, Encoding.MSGPACK).hex().endswith("b76e756d5f7072696f725f6f75747075745f746f6b656e7307a16e01")
+    old_chunk = b'{"text":"a","token_ids":[1],"finish_reason":null,"tool_calls":null,"reasoning_content":null}'
+    assert decode(old_chunk, GenerateChunk, Encoding.JSON).index == 0
+    assert encode(GenerateChunk(text="a", index=2), Encoding.JSON).endswith(b',"reasoning_content":null,"index":2}')

@@ -47,7 +47,7 @@ class LogitsState:
         """[V] float32: how often each token occurs in the request's output so far."""
         if self._counts is None:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        new = seq.generated_token_ids[self._num_counted :]
+        new = seq.generated_since(self._num_counted)
         if new:
             ids = torch.tensor(new, dtype=torch.int64, device=device)
             self._counts.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
@@ -72,8 +72,7 @@ class LogitsState:
         if matcher is None:
             self.error = f"structured output: {slot.error}"
             return None
-        generated = seq.generated_token_ids
-        for t in generated[matcher.num_tokens :]:
+        for t in seq.generated_since(matcher.num_tokens):
             if not matcher.accept(t):
                 self.error = f"structured output: token {t} does not fit the grammar ({matcher.error})"
                 return None
