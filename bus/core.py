@@ -295,7 +295,8 @@ class Bus:
 
         async def send() -> None:
             try:
-                await self.publish(CANCEL, CancelEvent(request_id=request_id))
+                with tracing.untraced():  # broadcast to every service: no span on each of them
+                    await self.publish(CANCEL, CancelEvent(request_id=request_id))
             except Exception:
                 log.debug("could not publish cancel for %s", request_id, exc_info=True)
 

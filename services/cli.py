@@ -11,16 +11,17 @@ import os
 import sys
 
 from bus.nats_transport import BusConfig
+from bus.tracing.setup import TracingConfig
 from services import config as cfg
 
 log = logging.getLogger("kvbus")
 
 
 def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr,
-    )
+    from bus.tracing import install_log_context
+
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr)
+    install_log_context()  # the request id on every line logged while a request is handled
 
 
 def bus_config_from(args: argparse.Namespace) -> BusConfig:
@@ -40,6 +41,7 @@ def serve_parser(role: str, actor_cls: type) -> argparse.ArgumentParser:
                         help="on SIGTERM: seconds to finish in-flight work before it is cut off "
                              "[env KVBUS_DRAIN_TIMEOUT]")
     cfg.add_arguments(parser, BusConfig)
+    cfg.add_arguments(parser, TracingConfig)
     cfg.add_arguments(parser, actor_cls.config_class)
     return parser
 
@@ -67,6 +69,8 @@ def cmd_serve(argv: list[str]) -> int:
     bound_kernel_cache()  # process-wide: oneDNN keeps 64 kernels, not one per prompt length ever seen
     try:
         bus_config = bus_config_from(args)
+        tracing_config = cfg.build(TracingConfig, {k: v for k, v in vars(args).items()
+                                                   if k in TracingConfig.__dataclass_fields__})
         role_fields = set(actor_cls.config_class.__dataclass_fields__)
         config = cfg.build(actor_cls.config_class, {k: v for k, v in vars(args).items() if k in role_fields})
     except cfg.ConfigError as exc:
@@ -74,7 +78,7 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
     actor = actor_cls(config, worker_id=args.worker_id)
     try:
-        asyncio.run(run_actor(actor, bus_config, drain_timeout=args.drain_timeout))
+        asyncio.run(run_actor(actor, bus_config, drain_timeout=args.drain_timeout, tracing_config=tracing_config))
     except Exception as exc:  # startup failures: say what happened, not a traceback
         from bus.errors import BusError
         from services.models import ModelError
@@ -221,6 +225,55 @@ def cmd_health(argv: list[str]) -> int:
     return asyncio.run(run())
 
 
+def cmd_trace(argv: list[str]) -> int:
+    """Print a request's trace as a waterfall: its stages, their durations and key attributes. From the
+    file ``kvbus up --trace`` writes, or from Jaeger's query API with --jaeger-url."""
+    from services.traces import default_file
+
+    parser = argparse.ArgumentParser(prog="kvbus trace", description=cmd_trace.__doc__)
+    parser.add_argument("ref", nargs="?", help="a request id (X-Request-Id, Kvbus-Request-Id) or a trace id")
+    parser.add_argument("--last", action="store_true", help="the request that started last")
+    parser.add_argument("--file", default=None, help=f"spans written by kvbus up --trace (default: {default_file()})")
+    parser.add_argument("--jaeger-url", default=os.environ.get("KVBUS_JAEGER_URL"),
+                        help="read the trace from Jaeger's query API instead, e.g. http://127.0.0.1:16686 "
+                             "[env KVBUS_JAEGER_URL]")
+    parser.add_argument("--events", action="store_true", help="print every span event (decode step summaries)")
+    parser.add_argument("--json", action="store_true", help="print the spans as JSON lines instead")
+    args = parser.parse_args(argv)
+    if bool(args.ref) == args.last:
+        parser.error("give a request id or trace id, or --last")
+    from services.traces import spans as trace_spans
+    from services.traces.waterfall import render
+
+    if args.jaeger_url:
+        from services.traces.jaeger import JaegerError, fetch_trace
+
+        if args.last:
+            parser.error("--last reads the local file; with --jaeger-url name the request or trace")
+        try:
+            found = fetch_trace(args.jaeger_url, args.ref)
+        except JaegerError as exc:
+            print(f"kvbus trace: {exc}", file=sys.stderr)
+            return 1
+    else:
+        path = args.file or default_file()
+        every = trace_spans.read_file(path)
+        if not every:
+            print(f"kvbus trace: no spans in {path} (start the system with kvbus up --trace, or pass --file "
+                  "or --jaeger-url)", file=sys.stderr)
+            return 1
+        found = trace_spans.last_trace(every) if args.last else trace_spans.find_trace(every, args.ref)
+    if not found:
+        print(f"kvbus trace: no trace of {args.ref or 'a request'} found", file=sys.stderr)
+        return 1
+    if args.json:
+        for span in sorted(found, key=lambda s: s.start_ns):
+            print(span.to_json())
+    else:
+        print(render(found, events=args.events))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -231,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "schemas": cmd_schemas,
         "call": cmd_call,
         "health": cmd_health,
+        "trace": cmd_trace,
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
@@ -240,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             "  model     prepare or inspect the model (kvbus model prepare | info)\n"
             "  call      send JSON to a subject and print the reply\n"
             "  health    ask a service replica whether it is ready (exit 0 ready, 1 not)\n"
+            "  trace     print a request's trace as a waterfall (kvbus trace --last; --jaeger-url URL)\n"
             "  schemas   export the wire contract (JSON Schemas, AsyncAPI document)\n",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )

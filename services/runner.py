@@ -11,7 +11,7 @@ from bus import Bus
 from bus.discovery import announce
 from bus.nats_transport import BusConfig, connect
 from bus.subjects import HEALTH, WORKER_HEALTH
-from bus.tracing import setup_tracing
+from bus.tracing import TracingConfig, install_log_context, setup_tracing, shutdown_tracing
 from schemas.common import HealthReply, HealthRequest
 from services.actor import VERSION, Actor
 
@@ -31,9 +31,13 @@ async def bind_health(bus: Bus, actor: Actor) -> None:
 
 
 async def run_actor(actor: Actor, bus_config: BusConfig, *, drain_timeout: float = 30.0,
-                    stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or ``stop`` is set), then drain and exit."""
-    setup_tracing(f"kvbus-{actor.role}")
+                    stop: asyncio.Event | None = None, tracing_config: TracingConfig | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set), then drain and exit.
+
+    At start: the request id on every log line (bus/tracing/logs.py) and, with an OTLP endpoint
+    (``tracing_config``, or the environment), spans exported as ``kvbus-ROLE``."""
+    install_log_context()
+    setup_tracing(f"kvbus-{actor.role}", tracing_config, instance_id=actor.worker_id)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -65,4 +69,5 @@ async def run_actor(actor: Actor, bus_config: BusConfig, *, drain_timeout: float
     finally:
         await actor.stop()
         await bus.close()
+        shutdown_tracing()  # the last spans go out before the process does
     log.info("%s %s stopped", actor.role, actor.worker_id)

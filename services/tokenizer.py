@@ -18,7 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bus import tracing
 from bus.errors import InvalidArgument, Overloaded, Unavailable
+from bus.tracing import names as trace_names
 from bus.subjects import TOKENIZER_CHAT, TOKENIZER_DECODE, TOKENIZER_ENCODE, TOKENIZER_INFO
 from schemas.tokenizer import (
     ChatTemplateReply,
@@ -155,6 +157,8 @@ class _Job:
     kind: str
     request: Any
     future: asyncio.Future
+    batch: tuple[float, float, int] | None = None
+    """(start, end, size) of the batch call that served it, in time.monotonic() (for its trace)."""
 
 
 class TokenizerActor(Actor):
@@ -238,9 +242,18 @@ class TokenizerActor(Actor):
             self.metrics.refused.inc()
             raise Overloaded(f"tokenizer queue is full ({self.config.max_queue} waiting)")
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Job(kind, request, future))
-        with self.metrics.timed(kind):
-            return await future
+        job = _Job(kind, request, future)
+        submitted = time.monotonic()
+        self._queue.put_nowait(job)
+        try:
+            with self.metrics.timed(kind):
+                return await future
+        finally:
+            if job.batch is not None:  # its queue wait and its batch call, in the request's trace
+                trace = tracing.RequestTrace.current()
+                start, end, size = job.batch
+                trace.record(trace_names.QUEUE, submitted, start)
+                trace.record(trace_names.BATCH, start, end, {"kvbus.batch_size": size, "kvbus.tokenizer.kind": kind})
 
     # --- the batch loop -----------------------------------------------------------------
     async def _batch_loop(self) -> None:
@@ -251,7 +264,7 @@ class TokenizerActor(Actor):
             jobs = [j for j in jobs if not j.future.done()]  # callers that gave up
             if not jobs:
                 continue
-            started = time.perf_counter()
+            started, batch_from = time.perf_counter(), time.monotonic()
             try:
                 results = await asyncio.to_thread(self._run_batch, jobs)
             except Exception as exc:  # fail the whole batch but keep the loop alive
@@ -259,7 +272,9 @@ class TokenizerActor(Actor):
                 results = [exc] * len(jobs)
             self.num_batches += 1
             self.metrics.observe_batch(len(jobs), time.perf_counter() - started)
+            batch = (batch_from, time.monotonic(), len(jobs))
             for job, result in zip(jobs, results):
+                job.batch = batch
                 if job.future.done():
                     continue
                 if isinstance(result, Exception):

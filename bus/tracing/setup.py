@@ -43,7 +43,9 @@ class TracingConfig:
 
     @property
     def endpoint(self) -> str | None:
-        return self.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+        """The endpoint in effect: the option (or KVBUS_OTLP_ENDPOINT), else OTEL_EXPORTER_OTLP_ENDPOINT."""
+        return (self.otlp_endpoint or os.environ.get("KVBUS_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
 
 
 def traces_url(endpoint: str) -> str:
@@ -84,10 +86,10 @@ def setup_tracing(service_name: str, config: TracingConfig | None = None, *, end
                   instance_id: str | None = None) -> bool:
     """Install an OTLP/HTTP exporter when an endpoint is configured; returns whether spans are exported.
 
-    ``endpoint`` (or ``KVBUS_OTLP_ENDPOINT``) overrides the configuration's."""
+    ``endpoint`` overrides the configuration's."""
     global _provider
     config = config or TracingConfig()
-    endpoint = endpoint or os.environ.get("KVBUS_OTLP_ENDPOINT") or config.endpoint
+    endpoint = endpoint or config.endpoint
     if not endpoint:
         return False
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -13,8 +13,9 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 
-from bus import Bus, RequestContext
+from bus import Bus, RequestContext, tracing
 from bus.subjects import GENERATE, GENERATE_ONCE
+from bus.tracing import names as trace_names
 from schemas.generate import GenerateChunk, GenerateReply, GenerateRequest
 from services.actor import Actor
 from services.config import ConfigError
@@ -59,11 +60,13 @@ class GatewayActor(Actor):
             await self._start_http()
 
     async def handle_generate(self, req: GenerateRequest, ctx: RequestContext) -> AsyncIterator[GenerateChunk]:
+        tracing.RequestTrace.current().set({trace_names.REQUEST_STREAM: True})  # (the bus's span is the root)
         async for chunk in self.pipeline.generate(req, request_id=ctx.request_id, endpoint="generate",
                                                   deadline=ctx.deadline):
             yield chunk
 
     async def handle_generate_once(self, req: GenerateRequest, ctx: RequestContext) -> GenerateReply:
+        tracing.RequestTrace.current().set({trace_names.REQUEST_STREAM: False})
         return await self.pipeline.generate_once(req, request_id=ctx.request_id, endpoint="generate_once",
                                                  deadline=ctx.deadline)
 

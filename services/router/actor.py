@@ -13,7 +13,9 @@ import asyncio
 import random
 import time
 
+from bus import tracing
 from bus.subjects import ROUTE, WORKER_HEARTBEAT
+from bus.tracing import names as trace_names
 from schemas.worker import RouteReply, RouteRequest, WorkerHeartbeatEvent
 from services.actor import Actor
 from services.metrics_http import start_metrics
@@ -72,6 +74,11 @@ class RouterActor(Actor):
     async def handle_route(self, req: RouteRequest) -> RouteReply:
         reply = self.router.route(req)
         self.num_routed += 1
+        tracing.RequestTrace.current().set({
+            trace_names.DECODE_WORKER: reply.decode_worker_id, trace_names.PREFILL_WORKER: reply.prefill_worker_id,
+            trace_names.ROUTE_POLICY: reply.policy, trace_names.ROUTE_REASON: reply.reason,
+            trace_names.PREDICTED_CACHED_TOKENS: reply.num_cached_tokens,
+            trace_names.PROMPT_TOKENS: len(req.prompt_token_ids), "kvbus.route.excluded": req.exclude_worker_ids})
         return reply
 
     async def handle_heartbeat(self, event: WorkerHeartbeatEvent) -> None:

@@ -13,7 +13,9 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import time
+from pathlib import Path
 
 from bus.nats_transport import BusConfig
 from services import config as cfg
@@ -22,7 +24,8 @@ from services.up import prometheus
 from services.up.config import UpConfig, parse
 from services.up.placement import make_lease_file
 from services.up.readiness import first_request, wait_ready
-from services.up.report import SERVING, say, say_nats, say_placement, say_ready, say_scrape_config
+from services.up.report import SERVING, say, say_nats, say_placement, say_ready, say_scrape_config, \
+    traces_destination
 from services.up.roles import ENGINE_ROLES, Plan, Site, plan
 from services.up.supervisor import Child, Supervisor
 
@@ -50,6 +53,29 @@ async def start_nats(config: UpConfig, supervisor: Supervisor) -> tuple[str, Chi
             break
         await asyncio.sleep(0.05)
     return f"nats://127.0.0.1:{port}", child
+
+
+async def start_trace_receiver(config: UpConfig, supervisor: Supervisor) -> tuple[str, str, Child]:
+    """``--trace``: the local OTLP/HTTP receiver (services/traces/receiver.py) on a free port; its
+    endpoint, its file and its child."""
+    from services.traces import default_file
+
+    path = str(Path(config.trace_file).expanduser()) if config.trace_file else str(default_file())
+    port = free_port()
+    child = Child("traces", [sys.executable, "-m", "services.traces.receiver", "--port", str(port), "--file", path])
+    await supervisor.start(child)
+    for _ in range(200):
+        if port_is_taken(port):
+            return f"http://127.0.0.1:{port}", path, child
+        if child.proc.returncode is not None:
+            break
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"the trace receiver did not listen on port {port}")
+
+
+def traces_endpoint(config: UpConfig) -> str | None:
+    """Where the services export spans without --trace: their environment's endpoint, if any."""
+    return os.environ.get("KVBUS_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
 
 
 def http_port(config: UpConfig) -> int:
@@ -112,6 +138,7 @@ async def up(config: UpConfig) -> int:
     supervisor = Supervisor(quiet=config.quiet, stop_timeout=config.drain_timeout + 10.0)
     lease_file: str | None = None
     nats_child: Child | None = None
+    receiver: Child | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -129,7 +156,12 @@ async def up(config: UpConfig) -> int:
         say_nats(nats_url)
         port = http_port(config)
         lease_file = make_lease_file()
-        site = Site(nats_url=nats_url, model_dir=str(model_dir), http_port=port, lease_file=lease_file)
+        trace_file = None
+        otlp_endpoint = traces_endpoint(config)
+        if config.trace:
+            otlp_endpoint, trace_file, receiver = await start_trace_receiver(config, supervisor)
+        site = Site(nats_url=nats_url, model_dir=str(model_dir), http_port=port, lease_file=lease_file,
+                    otlp_endpoint=otlp_endpoint if config.trace else None)
         planned = await start_services(config, site, supervisor)
         if config.prometheus_config:
             write_scrape_config(config, planned, port)
@@ -143,7 +175,8 @@ async def up(config: UpConfig) -> int:
             served = await first_request(bus, planned.roles)
             say_ready(elapsed_s=time.monotonic() - t0, roles=planned.roles, served=served, nats_url=nats_url,
                       http_host=config.http_host, http_port=port, metrics_host=config.metrics_host,
-                      metrics_ports={c.name: c.metrics_port for c in planned.children if c.metrics_port is not None})
+                      metrics_ports={c.name: c.metrics_port for c in planned.children if c.metrics_port is not None},
+                      traces=traces_destination(trace_file, otlp_endpoint, config.trace_sample_ratio))
             if config.exit_after_ready:
                 return 0
             say(SERVING)
@@ -156,7 +189,7 @@ async def up(config: UpConfig) -> int:
         return 1
     finally:
         say("stopping services" + (", then nats-server" if nats_child else ""))
-        await supervisor.stop_all(last=nats_child)
+        await supervisor.stop_all(last=nats_child, after_services=(receiver,) if receiver else ())
         if lease_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(lease_file)

@@ -114,6 +114,13 @@ class UpConfig:
     prometheus_config: str | None = None
     """write a Prometheus scrape config for the services started (every /metrics endpoint, with the
     ports chosen at start) to this file (docs/observability.md)"""
+    trace: bool = False
+    """record every request's trace without Jaeger: kvbus up starts a local OTLP/HTTP receiver that writes
+    the spans to --trace-file, and `kvbus trace REQUEST_ID` (or --last) prints one (docs/observability.md)"""
+    trace_file: str | None = None
+    """with --trace: the JSON-lines file of spans (default ~/.cache/kvbus/traces.jsonl)"""
+    trace_sample_ratio: float = 1.0
+    """share of requests traced, 0..1 (with --trace, or with OTEL_EXPORTER_OTLP_ENDPOINT set for Jaeger)"""
     api_key_file: str | None = None
     """file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)"""
     ready_timeout: float = 180.0
@@ -143,6 +150,8 @@ class UpConfig:
                               f"got {self.speculative!r}")
         if self.kv_transfer not in TRANSFER_BACKENDS:
             raise ConfigError(f"--kv-transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.kv_transfer!r}")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ConfigError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
                               f"got {self.hicache_write_policy!r}")

@@ -43,7 +43,7 @@ def say_scrape_config(path: str, num_targets: int) -> None:
 
 
 def say_ready(*, elapsed_s: float, roles: dict[str, list[str]], served: str, nats_url: str, http_host: str,
-              http_port: int, metrics_host: str, metrics_ports: dict[str, int]) -> None:
+              http_port: int, metrics_host: str, metrics_ports: dict[str, int], traces: str = "") -> None:
     """Ready: what was served, and every address to call or scrape."""
     say(f"ready in {elapsed_s:.1f}s: " + ", ".join(f"{len(ids)} {role}" for role, ids in roles.items()))
     say(f"served: {served}")
@@ -57,7 +57,20 @@ def say_ready(*, elapsed_s: float, roles: dict[str, list[str]], served: str, nat
             f"--nats-url {nats_url}")
     for name, port in metrics_ports.items():
         say(f"metrics (Prometheus): {name} http://{metrics_host}:{port}/metrics")
-    say("traces: set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4318) before `kvbus up`")
+    say(f"traces: {traces or traces_destination(None, None)}")
+
+
+def traces_destination(trace_file: str | None, endpoint: str | None, sample_ratio: float = 1.0) -> str:
+    """Where the services' spans go: the file of kvbus up --trace, an OTLP endpoint, or nowhere."""
+    share = f"; {sample_ratio:.0%} of requests" if sample_ratio < 1.0 else ""
+    if trace_file is not None:
+        return (f"{trace_file} (a local OTLP/HTTP receiver on {endpoint}{share}); "
+                "`kvbus trace --last` or `kvbus trace REQUEST_ID` prints a request's waterfall")
+    if endpoint:
+        return (f"OTLP/HTTP to {endpoint}{share} (Jaeger: `kvbus trace REQUEST_ID --jaeger-url "
+                "http://JAEGER:16686` prints one)")
+    return ("off (`kvbus up --trace` keeps them in a local file for `kvbus trace`; or set "
+            "OTEL_EXPORTER_OTLP_ENDPOINT, e.g. Jaeger's http://127.0.0.1:4318)")
 
 
 def read_announcement(line: str) -> tuple[str, ...] | None:

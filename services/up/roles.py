@@ -42,6 +42,9 @@ class Site:
     """The gateway's HTTP port: a free one already chosen where the configuration says 0."""
     lease_file: str | None = None
     """The core-lease file of engines that take turns on the cores (made by kvbus up, removed at stop)."""
+    otlp_endpoint: str | None = None
+    """Where every service exports its spans: the trace receiver kvbus up started (--trace), else None
+    (the services' own environment decides, e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ def _switch(flag: str, is_on: bool) -> list[str]:
 def common_flags(context: LaunchContext, wid: str) -> list[str]:
     """What every replica gets, before its role's own flags."""
     return ["--worker-id", wid, "--nats-url", context.site.nats_url,
-            "--drain-timeout", str(context.config.drain_timeout)]
+            "--drain-timeout", str(context.config.drain_timeout),
+            *_option("--otlp-endpoint", context.site.otlp_endpoint),
+            "--trace-sample-ratio", str(context.config.trace_sample_ratio)]
 
 
 def tokenizer_flags(context: LaunchContext, wid: str) -> list[str]:

@@ -144,10 +144,13 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(child.pump, 2)
 
-    async def stop_all(self, last: Child | None = None) -> None:
+    async def stop_all(self, last: Child | None = None, *, after_services: tuple[Child, ...] = ()) -> None:
+        """Stop the services together, then ``after_services`` (the trace receiver: their last spans),
+        then ``last`` (nats-server)."""
         self.is_stopping = True
-        services = [c for c in self.children if c is not last]
+        services = [c for c in self.children if c is not last and c not in after_services]
         await asyncio.gather(*(self.stop(c) for c in services))
-        if last is not None:
-            await self.stop(last)
+        for child in (*after_services, last):
+            if child is not None:
+                await self.stop(child)
 

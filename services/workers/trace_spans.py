@@ -100,7 +100,7 @@ def _decode(worker, trace: RequestTrace, tl: RequestTimeline, seq) -> None:
         n.BATCH_SIZE_MIN: tl.batch_min, n.BATCH_SIZE_MAX: tl.batch_max,
         n.BATCH_SIZE_MEAN: round(tl.batch_sum / tl.num_decode_steps, 2) if tl.num_decode_steps else None,
         n.PREEMPTIONS: seq.num_preemptions if seq is not None else None,
-        "kvbus.step_event_every": worker.engine.timelines.event_every if worker.engine.timelines else None},
+        "kvbus.step_event_every": worker.engine.timelines.event_every},
         events=events)
     spec = speculation_of(worker)
     if spec is not None and seq is not None:
@@ -142,5 +142,5 @@ def _write_back(worker, trace: RequestTrace, tl: RequestTimeline, seq, since: fl
     landed = [w for w in writes if w[1] is not None]
     end = max((w[1] for w in landed), default=max(w[0] for w in writes))
     trace.record(n.WRITE_BACK, min(w[0] for w in writes), end, {
-        n.TIER: "host", n.PAGES: len(writes), n.BYTES: sum(1 for w in landed if w[2]) * tier.page_bytes,
+        n.TIER: "host", n.PAGES: len(writes), n.BYTES: len(writes) * tier.page_bytes,
         "kvbus.hicache.pages_landed": len(landed), "kvbus.hicache.write_policy": worker.config.hicache_write_policy})
