@@ -32,6 +32,11 @@ def _tags(tags: list[dict] | None) -> dict[str, Any]:
         value = tag.get("value")
         if tag.get("type") == "int64" and isinstance(value, str):
             value = int(value)
+        elif isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+            try:  # Jaeger keeps an array attribute (gen_ai.response.finish_reasons) as its JSON text
+                value = json.loads(value)
+            except ValueError:
+                pass
         out[tag["key"]] = value
     return out
 

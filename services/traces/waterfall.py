@@ -41,14 +41,16 @@ def key_attributes(span: Span) -> str:
                     if key in span.attributes and span.attributes[key] not in (None, "", []))
 
 
-def ordered(spans: list[Span]) -> list[tuple[int, Span]]:
-    """(depth, span) in waterfall order: each span's children after it, earliest first."""
+def ordered(spans: list[Span], top: Span | None = None) -> list[tuple[int, Span]]:
+    """(depth, span) in waterfall order under ``top`` (default: every root, earliest first): each
+    span's children after it, earliest first."""
     children: dict[str, list[Span]] = {}
     for s in spans:
         if s.parent_id is not None:
             children.setdefault(s.parent_id, []).append(s)
     out: list[tuple[int, Span]] = []
-    stack = [(0, s) for s in sorted(roots(spans), key=lambda s: s.start_ns, reverse=True)]
+    tops = [top] if top is not None else sorted(roots(spans), key=lambda s: s.start_ns, reverse=True)
+    stack = [(0, s) for s in tops]
     while stack:
         depth, span = stack.pop()
         out.append((depth, span))
@@ -69,7 +71,17 @@ def render(spans: list[Span], *, events: bool = False, width: int = BAR_WIDTH) -
     lines = [f"trace {spans[0].trace_id}" + (f"  request {rid}" if rid else "")
              + f"  {total / 1e6:.1f} ms, {len(spans)} spans, services: {', '.join(services)}",
              f"{'start ms':>9} {'dur ms':>9}  {'':{width}}  span [service]  attributes"]
-    for depth, s in ordered(spans):
+    tops = sorted(roots(spans), key=lambda s: s.start_ns)
+    rows = ordered(spans, tops[0])
+    for i, orphan in enumerate(tops[1:]):  # e.g. the prefill worker's spans of a decode worker that died
+        rows.append((-1, None) if i == 0 else (-2, None))
+        rows += ordered(spans, orphan)
+    for depth, s in rows:
+        if s is None:
+            if depth == -1:
+                lines.append(f"{'':9} {'':9}  {'':{width}}  (spans whose parent never arrived: its process "
+                             "died before exporting it)")
+            continue
         start = (s.start_ns - t0) / 1e6
         dur = (s.end_ns - s.start_ns) / 1e6
         col = int((s.start_ns - t0) / total * width)
