@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "ops.h"
 #include "vec_math.h"
@@ -224,6 +225,24 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional
   });
 }
 
+// The instruction-set path this build was compiled for (-march=native, so the build machine's):
+// "avx512" (the AVX-512 attention and packed GEMM), "avx2" (their AVX2 + FMA versions) or "plain"
+// (loops the compiler vectorizes as it can), then "+avx512_bf16" where bfloat16 packed GEMMs use
+// vdpbf16ps. kernels/cpu_path.py reports it at start-up beside the CPU's flags.
+std::string isa() {
+#if defined(__AVX512F__)
+  std::string s = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  std::string s = "avx2";
+#else
+  std::string s = "plain";
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  s += "+avx512_bf16";
+#endif
+  return s;
+}
+
 }  // namespace
 
 namespace ops {
@@ -247,6 +266,7 @@ TORCH_LIBRARY_FRAGMENT(kvbus_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor positions, Tensor cos_sin, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? residual, float eps, Tensor(a!) y, Tensor(b!) sum_out) -> ()");
+  m.def("isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(kvbus_cpu, CPU, m) {

@@ -45,7 +45,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -53,8 +53,13 @@ namespace kvbus_cpu {
 namespace {
 
 constexpr int64_t PREFETCH_LINES = 16;
-constexpr int MAX_ROWS = 12;   // rows of one register tile (a group)
-constexpr int MAX_GROUPS = 4;  // groups sharing a tile (48 rows); more rows go slice by slice
+#if defined(__AVX512F__)
+constexpr int MAX_ROWS = 12;  // rows of one register tile (a group)
+#else
+constexpr int MAX_ROWS = 6;   // AVX2: 16 registers of 8 lanes hold 2 x 6 accumulators, a line and a broadcast
+#endif
+constexpr int SLICE_ROWS = 48;                      // rows of one call; more rows go slice by slice
+constexpr int MAX_GROUPS = SLICE_ROWS / MAX_ROWS;  // groups sharing a tile
 
 // Elements as float, and a float stored as one: float32 as is, bfloat16 (its bits in a uint16_t)
 // widened exactly and rounded to nearest even.
@@ -109,6 +114,16 @@ struct Gemm {
   const typename T::A* bp;
   const typename T::W* zero_w;
 };
+
+// Tile t's NB column blocks of the packed weights; zeros stand in for blocks past the last.
+template <class T, int NB>
+inline void tile_blocks(const typename T::W* wpp, int64_t C, int64_t lines, int64_t t, const typename T::W* zero_w,
+                        const typename T::W** w) {
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c = t * NB + b;
+    w[b] = c < C ? wpp + c * lines * LINE<T> : zero_w;
+  }
+}
 
 #if defined(__AVX512F__)
 
@@ -175,16 +190,6 @@ inline void packed_tile(const typename T::W* const* w, const typename T::X* xt, 
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     const __m512 bv = bp ? load_bias(bp + n, mask) : _mm512_setzero_ps();
     for (int j = 0; j < MR; ++j) store_y(yrow[j] + n, mask, _mm512_add_ps(acc[b][j], bv));
-  }
-}
-
-// Tile t's NB column blocks of the packed weights; zeros stand in for blocks past the last.
-template <class T, int NB>
-inline void tile_blocks(const typename T::W* wpp, int64_t C, int64_t lines, int64_t t, const typename T::W* zero_w,
-                        const typename T::W** w) {
-  for (int b = 0; b < NB; ++b) {
-    const int64_t c = t * NB + b;
-    w[b] = c < C ? wpp + c * lines * LINE<T> : zero_w;
   }
 }
 
@@ -257,11 +262,113 @@ void run_simd(const Gemm<T>& g, const int* start, int groups, int64_t M) {
     default: packed_pass<T, 4, 1>(g); break;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool BF16_DOT = false;
+#define KVBUS_PACKED_AVX2 1
+
+// AVX2 + FMA, float32 weights: the AVX-512 path's loop with each 16-output line as two 8-lane
+// halves. Every output is the same chain, acc = fma(w, x, acc) over k in order, then + bias, so a
+// row's result does not depend on M (nor on the tile shape chosen for it).
+// NOTE: the accumulators in two arrays and every loop over them unrolled: with one
+// acc[NB][MR][2] array GCC kept it on the stack and stored all of it at every k (30 GFLOP/s on
+// one Zen 3 core, store-bound, where the loads allow twice that).
+template <int NB, int MR>
+inline void packed_tile_avx2(const float* const* w, const float* xt, int64_t lines, float* const* yrow,
+                             const float* bp, int64_t n0, int64_t N) {
+  __m256 lo[NB][MR], hi[NB][MR];  // outputs 0-7 and 8-15 of each block, per row
+#pragma GCC unroll 16
+  for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 16
+    for (int j = 0; j < MR; ++j) lo[b][j] = hi[b][j] = _mm256_setzero_ps();
+  for (int64_t l = 0; l < lines; ++l) {
+    __m256 a0[NB], a1[NB];
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[b] + (l + PREFETCH_LINES) * 16), _MM_HINT_T0);
+      a0[b] = _mm256_loadu_ps(w[b] + l * 16), a1[b] = _mm256_loadu_ps(w[b] + l * 16 + 8);
+    }
+    const float* xl = xt + l * MR;
+#pragma GCC unroll 16
+    for (int j = 0; j < MR; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(xl + j);
+#pragma GCC unroll 16
+      for (int b = 0; b < NB; ++b) {
+        lo[b][j] = _mm256_fmadd_ps(a0[b], xv, lo[b][j]);
+        hi[b][j] = _mm256_fmadd_ps(a1[b], xv, hi[b][j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n = n0 + b * 16;
+    if (n >= N) break;
+    const int64_t left = std::min<int64_t>(16, N - n);
+    alignas(32) float bias[16] = {0};
+    if (bp)
+      for (int64_t i = 0; i < left; ++i) bias[i] = bp[n + i];
+    const __m256 b0 = _mm256_load_ps(bias), b1 = _mm256_load_ps(bias + 8);
+#pragma GCC unroll 16
+    for (int j = 0; j < MR; ++j) {
+      const __m256 y0 = _mm256_add_ps(lo[b][j], b0), y1 = _mm256_add_ps(hi[b][j], b1);
+      if (left == 16) {
+        _mm256_storeu_ps(yrow[j] + n, y0), _mm256_storeu_ps(yrow[j] + n + 8, y1);
+      } else {
+        alignas(32) float out[16];
+        _mm256_store_ps(out, y0), _mm256_store_ps(out + 8, y1);
+        std::copy(out, out + left, yrow[j] + n);
+      }
+    }
+  }
+}
+
+template <int NB, int MR>
+void packed_pass_avx2(const Gemm<F32>& g) {
+  const int64_t tiles = (g.C + NB - 1) / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* w[NB];
+      tile_blocks<F32, NB>(g.wpp, g.C, g.lines, t, g.zero_w, w);
+      packed_tile_avx2<NB, MR>(w, g.xt, g.lines, g.yrow, g.bp, t * NB * 16, g.N);
+    }
+  });
+}
+
+inline void group_tile_avx2(int mr, const float* const* w, const float* xt, int64_t lines, float* const* yrow,
+                            const float* bp, int64_t n0, int64_t N) {
+  switch (mr) {
+    case 6: packed_tile_avx2<1, 6>(w, xt, lines, yrow, bp, n0, N); break;
+    case 5: packed_tile_avx2<1, 5>(w, xt, lines, yrow, bp, n0, N); break;
+    case 4: packed_tile_avx2<1, 4>(w, xt, lines, yrow, bp, n0, N); break;
+    default: packed_tile_avx2<1, 3>(w, xt, lines, yrow, bp, n0, N); break;  // groups of 7+ rows hold 3-6
+  }
+}
+
+void run_avx2(const Gemm<F32>& g, const int* start, int groups, int64_t M) {
+  if (groups > 1) {  // groups take turns on each column block while it sits in L2 (see grouped_pass)
+    at::parallel_for(0, g.C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const float* w[1] = {g.wpp + c * g.lines * 16};
+        for (int q = 0; q < groups; ++q)
+          group_tile_avx2(start[q + 1] - start[q], w, g.xt + start[q] * g.lines, g.lines, g.yrow + start[q], g.bp,
+                          c * 16, g.N);
+      }
+    });
+    return;
+  }
+  switch (M) {
+    case 6: packed_pass_avx2<1, 6>(g); break;
+    case 5: packed_pass_avx2<1, 5>(g); break;
+    case 4: packed_pass_avx2<1, 4>(g); break;
+    case 3: packed_pass_avx2<1, 3>(g); break;
+    case 2: packed_pass_avx2<2, 2>(g); break;
+    default: packed_pass_avx2<4, 1>(g); break;
+  }
+}
 #else
 constexpr bool BF16_DOT = false;
 #endif
 
-// No AVX-512 (or bfloat16 without avx512_bf16): plain loops over the same layout, the same
+// Neither AVX-512 nor AVX2 + FMA (or bfloat16 without avx512_bf16): plain loops over the same layout, the same
 // per-output order of k (the bf16 dot product's pairs summed as pairs), correct and slower.
 template <class T>
 void run_plain(const Gemm<T>& g, const int* start, int groups, int64_t) {
@@ -311,10 +418,10 @@ void packed_gemm_typed(const at::Tensor& x, const at::Tensor& wp, const std::opt
   const A* xp = static_cast<const A*>(x.data_ptr());
   A* yp = static_cast<A*>(y.data_ptr());
   const int64_t xs = x.stride(0), ys = y.stride(0);
-  // More than MAX_GROUPS * MAX_ROWS rows (the lm_head of a large prefill batch): one call per slice.
-  if (M > MAX_GROUPS * MAX_ROWS) {
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_GROUPS * MAX_ROWS) {
-      const int64_t m1 = std::min<int64_t>(M, m0 + MAX_GROUPS * MAX_ROWS);
+  // More than SLICE_ROWS rows (the lm_head of a large prefill batch): one call per slice.
+  if (M > SLICE_ROWS) {
+    for (int64_t m0 = 0; m0 < M; m0 += SLICE_ROWS) {
+      const int64_t m1 = std::min<int64_t>(M, m0 + SLICE_ROWS);
       at::Tensor ys_ = y.narrow(0, m0, m1 - m0);
       packed_gemm_typed<T>(x.narrow(0, m0, m1 - m0), wp, bias, ys_);
     }
@@ -339,12 +446,18 @@ void packed_gemm_typed(const at::Tensor& x, const at::Tensor& wp, const std::opt
       for (int64_t l = 0; l < lines; ++l) gxt[l * mr + j] = T::x_of(row, l, K);
     }
   }
-  A* yrow[MAX_GROUPS * MAX_ROWS];
+  A* yrow[SLICE_ROWS];
   for (int64_t m = 0; m < M; ++m) yrow[m] = yp + m * ys;
   const Gemm<T> g{static_cast<const W*>(wp.data_ptr()), C, lines, N, xt.data(), yrow, bp, zero_w.data()};
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<typename T::W, float> || BF16_DOT) {
     run_simd<T>(g, start, groups, M);
+    return;
+  }
+#endif
+#if defined(KVBUS_PACKED_AVX2)
+  if constexpr (std::is_same_v<T, F32>) {
+    run_avx2(g, start, groups, M);
     return;
   }
 #endif

@@ -168,7 +168,7 @@ def test_row_result_does_not_depend_on_its_task(head_dim, group, dtype):
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
-@pytest.mark.skipif("avx512f" not in native._cpu_flags().split(), reason="the tile walks with prefetch are the AVX-512 paths")
+@pytest.mark.skipif("avx512f" not in native._cpu_flags().split(), reason="needs avx512f (the tile walks with prefetch are the AVX-512 paths)")
 def test_build_keeps_the_kv_prefetch():
     # GCC deletes a loop whose only statements are _mm_prefetch calls, and the tile walk's
     # next-tile prefetch is such a loop: built that way, decode attention ran 1.6x slower with
