@@ -26,7 +26,9 @@ class EngineConfig:
     """Torch device: cpu (torch reference kernels) or cuda / cuda:N (Triton kernels)."""
 
     dtype: str = "auto"
-    """Weights and activations: auto (the checkpoint's dtype), float32, bfloat16 or float16."""
+    """Weights and activations: auto (bfloat16 where the device computes it natively: a CPU with
+    amx_bf16 or avx512_bf16, a CUDA device with bf16; else float32; services/engine/dtypes.py),
+    float32, bfloat16 or float16."""
 
     kv_cache_dtype: str = "auto"
     """KV cache element type: auto (= dtype), float32, bfloat16, float16 or fp8_e4m3."""

@@ -34,11 +34,13 @@ from pathlib import Path
 import msgspec
 import torch
 
+from kernels.cpu_path import this_cpu
 from schemas.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from services.config import ConfigError
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.core_lease import CoreLease
+from services.engine.dtypes import resolve_dtype
 from services.engine.handoff import KVHandoff
 from services.engine.intake import RequestIntake
 from services.engine.kv_pool import KVPool
@@ -74,7 +76,11 @@ class LLMEngine:
             ModelConfig.from_dir(Path(config.model).expanduser())
         self.model_dir = resolve_model(config.model)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
-        self.dtype = _TORCH_DTYPES.get(config.dtype) or _TORCH_DTYPES.get(mc.dtype or "", torch.float32)
+        dtype_name, dtype_why = resolve_dtype(config.dtype, config.device)
+        self.dtype = _TORCH_DTYPES[dtype_name]
+        log.info("dtype %s (%s)", dtype_name, dtype_why)
+        if self.device.type == "cpu":
+            this_cpu()  # builds or loads the native kernels and logs the path chosen for this CPU, once
         if config.kv_cache_dtype == "fp8_e4m3":
             kv_dtype = torch.float8_e4m3fn
         else:

@@ -18,7 +18,9 @@ one fixed order, so a decode row's result does not depend on how many rows share
 bfloat16 projections are held twice the same way when the CPU has bf16 dot products
 (``avx512_bf16``; :func:`packed_decode`): the packed kernel takes pairs of k per 64-byte line for
 ``vdpbf16ps``, at about half the fp32 kernel's time (half the bytes); elsewhere bfloat16 runs on
-oneDNN alone (prepacked, with the CPU's bf16 instructions where present).
+oneDNN alone (prepacked: AMX tiles or avx512_bf16 where present, :func:`prefill_kernel`), or on
+``F.linear`` where torch's oneDNN takes no bfloat16 weights (CPUs without avx512bw/vl/dq or
+avx_ne_convert, e.g. AMD Zen 3: there bfloat16 is not native and ``--dtype auto`` runs float32).
 float32 results differ from ``F.linear`` in the last bits (another summation order).
 """
 
@@ -69,12 +71,27 @@ def pack_columns(w: torch.Tensor) -> torch.Tensor:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Whether ``dtype`` projections on ``device`` are held in oneDNN's layout (prefill_kernel)."""
+    if device.type != "cpu":
+        return False
+    from kernels.cpu_path import this_cpu
+
+    return prefill_kernel(dtype, dtype == torch.bfloat16 and this_cpu().onednn_bf16) == "onednn"
+
+
+def prefill_kernel(dtype: torch.dtype, onednn_bf16: bool) -> str:
+    """What multiplies ``dtype`` prefill and extend rows on a CPU: ``onednn`` (weights prepacked into
+    oneDNN's blocked layout, run by ``torch.ops.mkldnn._linear_pointwise``: with bfloat16 on a CPU
+    with AMX that is oneDNN's AMX kernel, ``brg_matmul:avx512_core_amx``, and with avx512_bf16 its
+    ``avx512_core_bf16`` one) or ``f_linear`` (torch's own GEMM). ``onednn_bf16``: this torch's oneDNN
+    takes bfloat16 weights on this CPU (it needs avx512bw + vl + dq or avx_ne_convert; without, its
+    reorder raises, so bfloat16 stays on F.linear). QKV and gate/up are one fused weight each
+    (weights.py), so a layer runs four projections."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "f_linear"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16):
+        return "onednn"
+    return "f_linear"
 
 
 PREFILL_ROWS = 512

@@ -92,6 +92,8 @@ async def start_services(config: UpConfig, site: Site, supervisor: Supervisor) -
     num_engines = sum(len(planned.roles.get(role, [])) for role in ENGINE_ROLES)
     say_placement(planned.layout, planned.layout_why, planned.core_sharing, num_engines,
                   None if config.tokenizer_only else config.speculation())
+    if num_engines:
+        say("dtype: {} ({})".format(*config.engine_dtype()))
     for child in planned.children:
         if child.cpus:
             say(f"{child.name}: cores {','.join(map(str, sorted(child.cpus)))}")

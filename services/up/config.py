@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from typing import Literal
 
 from services import config as cfg
@@ -67,8 +68,9 @@ class UpConfig:
     """torch threads per engine worker (0: chosen by layout: all cores for one engine, a disjoint slice
     each for several; a set value turns core pinning off)"""
     dtype: Dtype = "auto"
-    """weights and activations of every engine (auto: the checkpoint's; bfloat16 uses the CPU's bf16
-    instructions through oneDNN where it has them)"""
+    """weights and activations of every engine. auto: bfloat16 where the engines' device computes it
+    natively (a CPU with amx_bf16 or avx512_bf16, a CUDA device with bf16), else float32; kvbus up
+    prints the choice (services/engine/dtypes.py)"""
     engine_args: str = ""
     """more options for every engine worker, e.g. "--max-running-requests 8 --page-size 32" (they come
     after kvbus up's own defaults, so they win over them)"""
@@ -163,6 +165,18 @@ class UpConfig:
         if self.speculative == "auto":
             return "ngram", True
         return self.speculative, False
+
+    def engine_dtype(self) -> tuple[str, str]:
+        """The engines' dtype and why: ``--dtype auto`` resolved for the device they run on (cpu
+        unless --engine-args names one), once, so every engine gets the same and kvbus up can say it."""
+        from services.engine.dtypes import resolve_dtype
+
+        args = shlex.split(self.engine_args)
+        device = args[args.index("--device") + 1] if "--device" in args[:-1] else "cpu"
+        dtype, why = resolve_dtype(self.dtype, device)
+        if "--dtype" in args:
+            why += "; --engine-args sets its own --dtype, which wins"
+        return dtype, why
 
     @property
     def requested_core_sharing(self) -> str:

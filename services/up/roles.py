@@ -128,7 +128,7 @@ def _engine_flags(context: LaunchContext, wid: str, *role_defaults: str) -> list
     config = context.config
     _, threads = context.engine_cores[wid]
     flags = ["--model", context.site.model_dir, "--kv-cache-memory", str(config.kv_cache_memory),
-             "--dtype", config.dtype, "--num-threads", str(config.num_threads or threads),
+             "--dtype", config.engine_dtype()[0], "--num-threads", str(config.num_threads or threads),
              *role_defaults, *shlex.split(config.engine_args)]
     if wid in context.lease_slots:
         flags += ["--core-lease", f"{context.site.lease_file}:{context.lease_slots[wid]}"]
