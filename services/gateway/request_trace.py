@@ -148,8 +148,9 @@ class AttemptTrace:
             self.migrating_since = None
 
     def failed(self, exc: BaseException) -> None:
-        """The attempt failed (its worker, a timeout, the caller gone)."""
+        """The attempt failed (its worker, a timeout, the caller gone): its span ends now."""
         self.worker.fail(exc)
+        self.ended()
 
     def migrating(self, exc: BusError, *, from_worker: str, num_tokens: int) -> None:
         """The stream goes on on another worker: the migration starts now."""

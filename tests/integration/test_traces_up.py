@@ -7,9 +7,10 @@ with the OpenTelemetry proto package and writes the spans to the file the test r
   caller's span, with the gateway's, tokenizer's, router's, prefill and decode workers' stages in
   order and with their attributes, the request id (``X-Request-Id``) on every span; ``kvbus trace``
   draws it.
-- A NATS stream whose decode worker is killed mid-way: the trace shows the failed attempt, the
-  migration, the next route excluding the dead worker, and the new worker loading the prompt's
-  pages back from the host tier (L2) before it decodes on; the gateway's log line carries the id.
+- A NATS stream (a conversation's second turn, so its decode worker is known) whose decode worker is
+  killed mid-way: the trace shows the failed attempt, the migration, the next route excluding the dead
+  worker, and the new worker loading the prompt's pages back from the host tier (L2) before it decodes
+  on; the gateway's log line about it carries the request id.
 
 A tiny random model (tests/tiny_model.py) with the default model's tokenizer and chat template: these
 check spans, not text.
@@ -33,7 +34,7 @@ import psutil
 import pytest
 
 from bus.nats_transport import BusConfig, connect
-from bus.subjects import GENERATE, PREFILL, WORKER_GENERATE
+from bus.subjects import GENERATE, GENERATE_ONCE, PREFILL, WORKER_GENERATE
 from bus.tracing import HOP_REQUEST_ID, REQUEST_ID
 from bus.tracing import names as n
 from bus.transport import REQUEST_ID_HEADER
@@ -258,20 +259,26 @@ async def test_a_disaggregated_request_is_one_tree_of_its_stages(system, chat_ti
 async def test_a_request_whose_decode_worker_dies_migrates_and_its_trace_says_so(system):
     await ready(system)
     bus = await connect(BusConfig(nats_url=system.nats_url, request_timeout=120))
+    session = f"conv-{uuid.uuid4().hex[:8]}"
     rid = f"migrate-{uuid.uuid4().hex[:12]}"
-    req = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
     got: list[int] = []
-    victim = None
     try:
+        # the conversation's first turn tells which decode worker holds it (its trace's route); the
+        # next turn of the session goes there, and that worker dies under it
+        warm = f"warm-{uuid.uuid4().hex[:12]}"
+        await bus.request(GENERATE_ONCE, GenerateRequest(prompt=PROMPT, session_id=session, sampling=SamplingParams(
+            temperature=0.0, max_tokens=4)), headers={REQUEST_ID_HEADER: warm})
+        warm_route = Tree(await spans_of(system, warm, lambda spans: any(s.name == n.ROUTE for s in spans))).one(n.ROUTE)
+        victim = warm_route.attributes[n.DECODE_WORKER]
+        req = GenerateRequest(prompt=PROMPT, session_id=session,
+                              sampling=SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
         async with bus.stream(GENERATE, req, timeout=120, headers={REQUEST_ID_HEADER: rid}) as chunks:
             async for chunk in chunks:
-                got += chunk.token_ids
-                if victim is None and got:
-                    states = await engine_states(bus, ENGINES[1:])
-                    [victim] = [wid for wid, detail in states.items() if detail.get("running") == "1"]
+                if not got:
                     pid = pid_of(system, victim)
                     os.kill(pid, signal.SIGSTOP)  # not one chunk more, however fast the rest would be
                     os.kill(pid, signal.SIGKILL)
+                got += chunk.token_ids
     finally:
         await bus.close()
     assert len(got) == 150
@@ -281,10 +288,11 @@ async def test_a_request_whose_decode_worker_dies_migrates_and_its_trace_says_so
     tree = Tree(spans)
     assert all(s.request_id == rid for s in spans)
     root = tree.one(GENERATE.template, "kvbus-gateway")
-    assert root.parent_id is None and root.status != "error"
+    assert root.parent_id is None and root.status != "error" and root.attributes[n.CONVERSATION_ID] == session
     assert root.attributes[n.OPERATION_NAME] == "text_completion" and root.attributes[n.REQUEST_STREAM] is True
     assert root.attributes[n.USAGE_OUTPUT_TOKENS] == 150 and root.attributes[n.RESPONSE_FINISH_REASONS] == ["length"]
     routes, workers = tree.kids(root, n.ROUTE), tree.kids(root, n.WORKER)
+    assert routes[0].attributes[n.ROUTE_REASON] == "session" and routes[0].attributes[n.DECODE_WORKER] == victim
     migration = tree.kid(root, n.MIGRATION)
     assert [w.attributes[n.ATTEMPT] for w in workers] == [0, 1]
     first, second = workers
