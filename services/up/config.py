@@ -18,8 +18,11 @@ from typing import Literal
 
 from services import config as cfg
 from services.config import ConfigError
+from services.agent.reasoning import REASONING_PARSERS
+from services.agent.tool_parsers import TOOL_PARSERS
 from services.draft.base import DRAFTERS
 from services.kv_store.policies import WRITE_POLICIES
+from services.router.policy import POLICIES
 from services.workers.config import TRANSFER_BACKENDS
 
 Layout = Literal["auto", "aggregated", "disaggregated"]
@@ -123,6 +126,21 @@ class UpConfig:
     """with --trace: the JSON-lines file of spans (default ~/.cache/kvbus/traces.jsonl)"""
     trace_sample_ratio: float = 1.0
     """share of requests traced, 0..1 (with --trace, or with OTEL_EXPORTER_OTLP_ENDPOINT set for Jaeger)"""
+    router_policy: str = "kv"
+    """how the router picks workers: kv (where the prompt's pages are cached, with conversation affinity),
+    least_loaded, round_robin, random (services/router/policy.py; docs/disaggregation.md)"""
+    router_temperature: float = 0.0
+    """kv policy: 0 takes the lowest cost; above 0, softmax sampling over the costs at this temperature"""
+    kv_overlap_weight: float = 1.0
+    """kv policy: weight of the prefill tokens left after cache credits against the decode load"""
+    session_ttl: float = 300.0
+    """seconds a conversation (session_id, X-Session-ID) stays pinned to its worker after its last request"""
+    tool_call_parser: str = "hermes"
+    """how the model writes tool calls: hermes or llama3_json (docs/agents.md)"""
+    reasoning_parser: str | None = None
+    """split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (none: off)"""
+    session_from_user: bool = False
+    """take the OpenAI `user` field as the conversation id when a request names none"""
     api_key_file: str | None = None
     """file of HTTP API keys, one per line (or set KVBUS_API_KEY=key1,key2)"""
     ready_timeout: float = 180.0
@@ -154,6 +172,13 @@ class UpConfig:
             raise ConfigError(f"--kv-transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.kv_transfer!r}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ConfigError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        for registry, name in ((POLICIES, self.router_policy), (TOOL_PARSERS, self.tool_call_parser),
+                               (REASONING_PARSERS, self.reasoning_parser)):
+            if name is not None and name not in registry:
+                raise ConfigError(f"--{registry.kind.replace(' ', '-')}: unknown {registry.kind} {name!r}; "
+                                  f"choose one of: {', '.join(registry.names())}")
+        if self.router_temperature < 0 or self.kv_overlap_weight < 0 or self.session_ttl <= 0:
+            raise ConfigError("--router-temperature and --kv-overlap-weight must be >= 0, --session-ttl > 0")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ConfigError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
                               f"got {self.hicache_write_policy!r}")

@@ -96,13 +96,17 @@ def tokenizer_flags(context: LaunchContext, wid: str) -> list[str]:
 
 
 def router_flags(context: LaunchContext, wid: str) -> list[str]:
-    return []
+    config = context.config
+    return ["--policy", config.router_policy, "--router-temperature", str(config.router_temperature),
+            "--kv-overlap-weight", str(config.kv_overlap_weight), "--session-ttl", str(config.session_ttl)]
 
 
 def gateway_flags(context: LaunchContext, wid: str) -> list[str]:
     config = context.config
     return ["--http-host", config.http_host, "--http-port", str(context.site.http_port),
             # the keys themselves travel in KVBUS_API_KEY (inherited), never in argv
+            "--tool-call-parser", config.tool_call_parser, *_option("--reasoning-parser", config.reasoning_parser),
+            *_switch("--session-from-user", config.session_from_user),
             *_option("--api-key-file", config.api_key_file)]
 
 

@@ -30,8 +30,9 @@ PROMPT = "Summarize the history of the river city and its bridges, " * 12  # wel
 
 async def test_a_frozen_then_killed_prefill_worker_costs_seconds_and_is_restarted(model_dir):
     # --local-prefill-tokens 0: every prompt goes to the prefill worker (on this small host kvbus up
-    # would keep short ones on the decode worker)
-    with LocalSystem("--prefill", "1", "--decode", "1", "--num-threads", "1",
+    # would keep short ones on the decode worker); least_loaded: the kv policy would prefill the resent
+    # prompt on the decode worker that holds its pages, and the frozen prefill worker would never be asked
+    with LocalSystem("--prefill", "1", "--decode", "1", "--num-threads", "1", "--router-policy", "least_loaded",
                      "--engine-args", "--heartbeat-interval 0.5 --local-prefill-tokens 0", model_dir=model_dir) as system:
         bus = await connect(BusConfig(nats_url=system.nats_url, request_timeout=60))
         try:
