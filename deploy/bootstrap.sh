@@ -61,6 +61,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".$extras"
   echo "$want" > "$stamp"
 fi
+# Hugging Face's `kernels` distribution (pulled by transformers 5.25, or installed by hand) imports as
+# `kernels`, our own package's name: where it is present transformers imports ours in its place and fails
+if .venv/bin/python -m pip show -q kernels >/dev/null 2>&1; then
+  say "removing the 'kernels' distribution: its import name is kvbus's own kernels package"
+  .venv/bin/python -m pip uninstall -y -q kernels
+fi
 # Native CPU kernels (paged attention): built once per machine and source, ~30 s; a build that
 # fails leaves the torch references in charge, so it warns instead of stopping the install.
 .venv/bin/python -c "import sys, kernels.native as n; sys.exit(n.main())" || say "warning: native CPU kernels not built; the slower torch references will run"

@@ -40,7 +40,7 @@ def beat(worker_id: str, role: str = "decode", *, running: int = 0, waiting: int
 
 def make_router(*beats: WorkerHeartbeatEvent, **config) -> tuple[Router, FakeClock]:
     """A router over these workers; least_loaded (the default before kv) unless ``policy`` says otherwise:
-    these tests are about load, membership and disaggregation (the kv policy: test_router_kv.py)."""
+    these tests are about load, membership and disaggregation (the kv policy: test_router_kv_policy.py)."""
     clock = FakeClock()
     router = Router(RouterConfig(**{"policy": "least_loaded", **config}), clock=clock)
     for event in beats:
