@@ -66,7 +66,14 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.last_forward_seconds = 0.0  # the model forward alone, for the overhead figure
-        self.processors = LogitsProcessors(model.mc.vocab_size, device)
+        self._processors: LogitsProcessors | None = None
+
+    @property
+    def processors(self) -> LogitsProcessors:
+        """The logits-processor chain (made at first use: a runner that only prepares needs none)."""
+        if self._processors is None:
+            self._processors = LogitsProcessors(self.model.mc.vocab_size, self.device)
+        return self._processors
 
     def prepare(self, batch: ScheduledBatch):
         """Packed ids, positions, attention metadata, and which rows sample."""

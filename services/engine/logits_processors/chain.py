@@ -6,11 +6,11 @@ owns 1 + k rows, row j scoring the token after its first j drafts):
 1. :meth:`LogitsProcessors.start`, before the forward pass: each constrained sequence's matcher is
    brought up to date and the grammar masks of all its rows are filled on the mask thread (llguidance
    computes them without the GIL) while the engine thread runs the model;
-2. :meth:`LogitsProcessors.apply`, on the logits: penalties (repetition, frequency, presence; row j
-   of a verifying sequence counts its first j drafts as output), then ``logit_bias``, then
-   ``min_tokens`` (EOS and stop ids at -inf while the row's output index is below it; folded into
-   the grammar's mask where there is one), then the grammar masks. One tensor operation per kind over
-   all its rows;
+2. :meth:`LogitsProcessors.apply`, on the logits: penalties (repetition, frequency, presence, on
+   the tokens of each row's context only; row j of a verifying sequence counts its first j drafts as
+   output), then ``logit_bias``, then ``min_tokens`` (EOS and stop ids at -inf while the row's output
+   index is below it; folded into the grammar's mask where there is one), then the grammar masks.
+   One gather/scatter per kind over all its rows;
 3. :meth:`LogitsProcessors.accepted`, after sampling or verification: the matchers take the tokens
    to append, so a token the grammar cannot accept fails its request before it is streamed.
 
@@ -25,9 +25,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from services.engine.logits_processors.penalties import apply_penalties
+from services.engine.logits_processors.penalties import add_tokens, apply_penalties
 from services.engine.logits_processors.structured import apply_bitmask, clear_tokens, fill_row_masks
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class LogitsProcessors:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mask_wait_seconds = 0.0
         """Time the engine thread waited for masks after the forward pass (the overlap's remainder)."""
+        self.seconds = 0.0
+        """Time the engine thread spent in the chain (start, apply, accepted; the mask wait included)."""
 
     # ---- before the forward pass ----------------------------------------------------------------
 
@@ -60,6 +63,7 @@ class LogitsProcessors:
         None when no row asks for anything of the chain."""
         if not any(s.logits_state is not None for s in rows.seqs):
             return None
+        t0 = time.perf_counter()
         pending = PendingMasks()
         plain, verifying, min_rows, min_ids = [], [], [], []
         for i, (seq, start, count) in enumerate(zip(rows.seqs, rows.starts, rows.counts)):
@@ -88,6 +92,7 @@ class LogitsProcessors:
                 pending.future = self._pool.submit(_fill, *job)
             else:
                 pending.bitmask = _fill(*job)
+        self.seconds += time.perf_counter() - t0
         return pending
 
     # ---- on the logits ------------------------------------------------------------------------------
@@ -98,6 +103,8 @@ class LogitsProcessors:
         sequence index). ``logits`` [N, V] is changed in place unless raw logits are kept."""
         if pending is None:
             return logits, None, {}
+        t_apply = time.perf_counter()
+        logits = logits.contiguous()  # (the kinds below index the flat logits; the model's are contiguous)
         errors = dict(pending.errors)
         work = [i for i, s in enumerate(rows.seqs) if s.logits_state is not None and i not in errors]
         raw = None
@@ -123,61 +130,45 @@ class LogitsProcessors:
                 if matcher is not None and matcher.error and i not in errors:
                     errors[i] = s.logits_state.error = f"structured output: {matcher.error}"
             apply_bitmask(logits, pending.bitmask, pending.rows)
+        self.seconds += time.perf_counter() - t_apply
         return logits, raw, errors
 
-    def _rows_of(self, rows, seq_indexes: list[int]) -> tuple[list[int], list[int]]:
-        """(the logits rows of these sequences, for each the position of its sequence in seq_indexes)."""
-        out, owner = [], []
-        for k, i in enumerate(seq_indexes):
-            out.extend(range(rows.starts[i], rows.starts[i] + rows.counts[i]))
-            owner.extend([k] * rows.counts[i])
-        return out, owner
-
     def _penalise(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
+        """Every penalised row's context pairs, gathered, penalised and scattered back at once (row j of
+        a verifying sequence counts its first j drafts as output)."""
         if not seq_indexes:
             return
-        dev, vocab = logits.device, logits.shape[1]
-        seqs = [rows.seqs[i] for i in seq_indexes]
-        states = [s.logits_state for s in seqs]
-        row_ids, owner = self._rows_of(rows, seq_indexes)
-        owner_t = torch.tensor(owner, dtype=torch.int64, device=dev)
-        counts = torch.stack([st.counts(s, vocab, dev) for s, st in zip(seqs, states)]).index_select(0, owner_t)
-        # row j of a verifying sequence scores the token after its first j drafts: they count as output
-        draft_rows, draft_ids, base = [], [], 0
+        row_ids, ids, counts, params = [], [], [], []
         for i in seq_indexes:
-            drafts = rows.seqs[i].draft_tokens
-            for j in range(1, rows.counts[i]):
-                draft_rows.extend([base + j] * j)
-                draft_ids.extend(drafts[:j])
-            base += rows.counts[i]
-        if draft_rows:
-            counts.index_put_((torch.tensor(draft_rows, device=dev), torch.tensor(draft_ids, device=dev)),
-                              torch.ones(len(draft_rows), device=dev), accumulate=True)
-        uses_repetition = any(st.repetition != 1.0 for st in states)
-        prompt = (torch.stack([st.prompt_mask(s, vocab, dev) for s, st in zip(seqs, states)]).index_select(0, owner_t)
-                  if uses_repetition else None)
-
-        def per_row(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=logits.dtype, device=dev).index_select(0, owner_t)
-
-        index = torch.tensor(row_ids, dtype=torch.int64, device=dev)
-        x = apply_penalties(logits.index_select(0, index), counts, prompt,
-                            per_row([st.repetition for st in states]) if uses_repetition else None,
-                            per_row([st.frequency for st in states]), per_row([st.presence for st in states]))
-        logits.index_copy_(0, index, x)
+            seq = rows.seqs[i]
+            st = seq.logits_state
+            base_ids, base_counts = st.context(seq)
+            for j in range(rows.counts[i]):
+                row_ids_j, counts_j = (base_ids, base_counts) if j == 0 else \
+                    add_tokens(base_ids, base_counts.copy(), seq.draft_tokens[:j])
+                ids.append(row_ids_j)
+                counts.append(counts_j)
+                row_ids.append(rows.starts[i] + j)
+                params.append((st.repetition, st.frequency, st.presence))
+        sizes = [len(x) for x in ids]
+        per_pair = np.repeat(np.asarray(params, dtype=np.float32), sizes, axis=0)  # [pairs, 3]
+        uses_repetition = any(p[0] != 1.0 for p in params)
+        apply_penalties(logits, np.repeat(np.asarray(row_ids, dtype=np.int64), sizes), np.concatenate(ids),
+                        np.concatenate(counts), np.ascontiguousarray(per_pair[:, 0]) if uses_repetition else None,
+                        np.ascontiguousarray(per_pair[:, 1]), np.ascontiguousarray(per_pair[:, 2]))
 
     def _bias(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
         if not seq_indexes:
             return
-        r, t, v = [], [], []
+        flat, v = [], []
+        vocab = logits.shape[1]
         for i in seq_indexes:
             st, start, count = rows.seqs[i].logits_state, rows.starts[i], rows.counts[i]
-            r.append(torch.arange(start, start + count).repeat_interleave(len(st.bias_ids)))
-            t.append(st.bias_ids.repeat(count))
+            flat.append((torch.arange(start, start + count) * vocab).repeat_interleave(len(st.bias_ids))
+                        + st.bias_ids.repeat(count))
             v.append(st.bias_values.repeat(count))
-        dev = logits.device
-        logits.index_put_((torch.cat(r).to(dev), torch.cat(t).to(dev)), torch.cat(v).to(dev, logits.dtype),
-                          accumulate=True)
+        dev = logits.device  # (ids are distinct within a row: no two values land on one logit)
+        logits.view(-1).index_add_(0, torch.cat(flat).to(dev), torch.cat(v).to(dev, logits.dtype))
 
     def _ban_stops(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
         """min_tokens for rows without a grammar (with one it is folded into the mask: ``_fill``)."""
@@ -190,15 +181,15 @@ class LogitsProcessors:
                     r.extend([rows.starts[i] + j] * len(st.stop_token_ids))
                     t.extend(st.stop_token_ids)
         if r:
-            dev = logits.device
-            logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                              torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+            flat = torch.tensor(r, dtype=torch.int64) * logits.shape[1] + torch.tensor(t, dtype=torch.int64)
+            logits.view(-1).index_fill_(0, flat.to(logits.device), float("-inf"))
 
     # ---- after sampling -----------------------------------------------------------------------------
 
     def accepted(self, seqs, tokens: list[list[int]], errors: dict[int, str]) -> None:
         """The tokens each sequence will append: its matcher takes them; one the grammar cannot accept
         adds that sequence to ``errors``."""
+        t0 = time.perf_counter()
         for i, (seq, toks) in enumerate(zip(seqs, tokens)):
             state = seq.logits_state
             if state is None or state.grammar is None or i in errors:
@@ -206,6 +197,7 @@ class LogitsProcessors:
             state.accept(seq, toks)
             if state.error is not None:
                 errors[i] = state.error
+        self.seconds += time.perf_counter() - t0
 
 
 def _fill(plain, verifying, num_rows: int, vocab_size: int, min_rows: list[int], min_ids: list[list[int]]):

@@ -10,9 +10,11 @@ output) before its mask is computed.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from schemas.engine import SamplingParams
+from services.engine.logits_processors.penalties import add_tokens
 from services.engine.logits_processors.structured import GrammarSlot
 
 
@@ -39,28 +41,22 @@ class LogitsState:
         self.wants_logprobs = p.logprobs is not None
         self.error: str | None = None
         """Why this request cannot go on (its grammar failed): it fails alone at its next step."""
-        self._counts: torch.Tensor | None = None  # [V] float32 output-token counts, on the logits' device
+        self._context: tuple[np.ndarray, np.ndarray] | None = None  # penalties.add_tokens' (ids, counts)
         self._num_counted = 0
-        self._prompt_mask: torch.Tensor | None = None  # [V] bool, for repetition_penalty
 
-    def counts(self, seq, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] float32: how often each token occurs in the request's output so far."""
-        if self._counts is None:
-            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    def context(self, seq) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens penalties touch (sorted ids; with repetition_penalty the prompt's too, without a
+        moved stream's prior output, which counts as output) and each one's count in the output so far."""
+        if self._context is None:
+            prompt = seq.token_ids[: seq.num_prompt_tokens - seq.num_prior_output_tokens] \
+                if self.repetition != 1.0 else []
+            ids = np.unique(np.asarray(prompt, dtype=np.int64))
+            self._context = ids, np.zeros(len(ids), dtype=np.float32)
         new = seq.generated_since(self._num_counted)
         if new:
-            ids = torch.tensor(new, dtype=torch.int64, device=device)
-            self._counts.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
+            self._context = add_tokens(*self._context, new)
             self._num_counted += len(new)
-        return self._counts
-
-    def prompt_mask(self, seq, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] bool: the tokens of the prompt (without a moved stream's prior output, which counts as output)."""
-        if self._prompt_mask is None:
-            ids = seq.token_ids[: seq.num_prompt_tokens - seq.num_prior_output_tokens]
-            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self._prompt_mask[torch.tensor(ids, dtype=torch.int64, device=device)] = True
-        return self._prompt_mask
+        return self._context
 
     def matcher(self, seq, *, wait: bool = True):
         """The grammar's matcher, having accepted the whole output so far; None when the request has no
