@@ -58,7 +58,7 @@ class HeldText:
         self._cut, end = min(spans)
         self.stop_end = end
         # keep the chunks up to the one whose text completes the stop string (the caller may trim
-        # further: a chunk's text can lag its tokens, see GenerationPipeline._stopped_across)
+        # further: a chunk's text can lag its tokens, see WorkerStreams._stopped_across)
         kept, length = [], len(self.held)
         for c in self._chunks:
             kept.append(c)

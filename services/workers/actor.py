@@ -75,16 +75,11 @@ class EngineWorker(Actor):
         hooks = [DeviceEventHooks(self.kv_events)]
         if self.config.hicache:
             from services.kv_store.client import HostTierClient
-            from services.kv_store.links import BusLink
-            from services.kv_store.remote import RemoteLink
+            from services.kv_store.links import open_tier_link
 
-            cfg, loop = self.config, asyncio.get_running_loop()
-            store_host = cfg.hicache_store_host or self.host_id
-            if store_host == self.host_id:  # map the host's arena
-                link = BusLink(None, self.host_id, loop)
-            else:  # another host's store: pages by value through the transfer layer
-                link = RemoteLink(None, store_host, self.host_id, loop, staging_ratio=cfg.hicache_staging_ratio,
-                                  transfer_timeout=cfg.transfer_timeout)
+            cfg = self.config
+            # the host's own store maps its arena; another host's moves pages through the transfer layer
+            link = open_tier_link(cfg, self.host_id, asyncio.get_running_loop())
             self.tier = HostTierClient(
                 link, owner=self.worker_id,
                 model=str(cfg.model or "default"), write_policy=cfg.hicache_write_policy,
