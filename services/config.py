@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
 import textwrap
@@ -26,6 +27,24 @@ ENV_PREFIX = "KVBUS_"
 
 class ConfigError(ValueError):
     """A configuration value is missing or malformed."""
+
+
+def plugin(registry: str, default: Any, *, extra: tuple[str, ...] = ()) -> Any:
+    """A field naming an entry of a plug-in registry (``"module:ATTRIBUTE"`` of a
+    :class:`services.plugins.Registry`), or one of ``extra`` (``"auto"``, ``"off"``): its flag's
+    choices and help come from the registry, and :func:`check_choices` checks it, so a plug-in
+    registered in one place is offered, described and validated everywhere. An optional field
+    (``str | None``) also takes ``none``."""
+    return dataclasses.field(default=default, metadata={"registry": registry, "extra": tuple(extra)})
+
+
+def _registry(f: dataclasses.Field) -> Any:
+    """The Registry a :func:`plugin` field names (None for other fields)."""
+    path = f.metadata.get("registry")
+    if path is None:
+        return None
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = f"{docs.get(f.name, '')} [env {env_name(f.name)}; default {default!r}]"
         choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else None
+        registry = _registry(f)
+        if registry is not None:
+            choices = [*f.metadata["extra"], *registry.names(), *(["none"] if _base_type(hints[f.name])[1] else [])]
+            help_text += f" ({registry.kind}s: {registry.help()})"
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
@@ -121,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def check_choices(config: Any) -> None:
-    """ConfigError naming the first ``Literal`` field of ``config`` whose value is not one of its choices.
+    """ConfigError naming the first ``Literal`` or :func:`plugin` field of ``config`` whose value is not
+    one of its choices (a plug-in field: its registry's names and its ``extra``; None where optional).
 
     Flags are checked by argparse already; call this from ``__post_init__`` so that environment values
     and configs built in code are checked too."""
@@ -132,6 +156,12 @@ def check_choices(config: Any) -> None:
         if choices and value not in choices:
             raise ConfigError(f"{type(config).__name__}.{f.name} must be one of "
                               f"{', '.join(map(str, choices))}, got {value!r}")
+        registry = _registry(f)
+        if registry is None or value in f.metadata["extra"] or (value is None and _base_type(hints[f.name])[1]):
+            continue
+        if value not in registry:
+            raise ConfigError(f"{type(config).__name__}.{f.name}: unknown {registry.kind} {value!r}; choose one of: "
+                              f"{', '.join([*f.metadata['extra'], *registry.names()])}")
 
 
 def build(cls: type[T], args: argparse.Namespace | dict | None = None,

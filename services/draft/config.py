@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.config import ConfigError
+from services.config import ConfigError, plugin
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     model: str | None = None
     """The target model's local folder (None: the default model): its tokenizer must match the draft model's."""
-    speculative_method: str = "ngram"
+    speculative_method: str = plugin("services.draft.base:DRAFTERS", "ngram")
     """Drafter, by name (services.draft.base.DRAFTERS: ngram, prompt lookup; model, a small draft model)."""
     draft_model: str | None = None
     """speculative_method=model: local HF folder of the draft model."""

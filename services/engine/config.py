@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.config import ConfigError
+from services.config import ConfigError, plugin
 from services.engine.load_back import ASYNC_LOAD_MIN_PAGES, LOAD_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -109,7 +109,7 @@ class EngineConfig:
     load_tokenizer: bool = True
     """Load the model's tokenizer for text prompts, streamed text and stop strings."""
 
-    speculative_method: str | None = None
+    speculative_method: str | None = plugin("services.draft.base:DRAFTERS", None)
     """Speculative decoding's drafter, by name (services.draft.base.DRAFTERS: ngram, prompt lookup;
     model, a small draft model); None: off."""
 

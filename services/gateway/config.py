@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.agent.reasoning import REASONING_PARSERS
-from services.agent.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
-from services.config import ConfigError
-from services.plugins import UnknownPlugin
+from services.agent.tool_parsers import DEFAULT_TOOL_PARSER
+from services.config import ConfigError, check_choices, plugin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +38,10 @@ class GatewayConfig:
     """Seconds without a heartbeat after which a worker streaming to us is taken for dead (its requests migrate)."""
     max_migrations: int = 3
     """Times one request may move to another worker after its worker died; past it the caller gets unavailable."""
-    tool_call_parser: str = DEFAULT_TOOL_PARSER
+    tool_call_parser: str = plugin("services.agent.tool_parsers:TOOL_PARSERS", DEFAULT_TOOL_PARSER)
     """How the model writes tool calls (docs/agents.md): hermes (<tool_call>{json}</tool_call>; also the
     fallback prompt's format for templates without tools) or llama3_json."""
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = plugin("services.agent.reasoning:REASONING_PARSERS", None)
     """Split <think>...</think> out of chat replies into reasoning_content: deepseek_r1 or qwen3; none: off."""
     session_from_user: bool = False
     """Take the OpenAI ``user`` field as the conversation id (the router keeps a session on its worker) when the
@@ -67,9 +65,4 @@ class GatewayConfig:
             raise ConfigError("GatewayConfig.api_key: keys must be non-empty, without surrounding spaces")
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("GatewayConfig.model_name must not be blank")
-        try:
-            TOOL_PARSERS.check(self.tool_call_parser)
-            if self.reasoning_parser is not None:
-                REASONING_PARSERS.check(self.reasoning_parser)
-        except UnknownPlugin as exc:
-            raise ConfigError(f"GatewayConfig: {exc}") from None
+        check_choices(self)  # the parsers: their registries

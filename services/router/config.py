@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from services.config import ConfigError
-from services.router.policy import POLICIES
+from services.config import ConfigError, check_choices, plugin
 
 DisaggregationMode = Literal["auto", "always", "never"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "kv"
+    policy: str = plugin("services.router.policy:POLICIES", "kv")
     """How to choose among workers: kv (where the prompt's KV pages are cached, then load), round_robin,
     random or least_loaded."""
     worker_ttl: float = 3.0
@@ -65,9 +64,7 @@ class RouterConfig:
     """Address the Prometheus endpoint listens on (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"RouterConfig.policy must be one of {', '.join(sorted(POLICIES))}, "
-                              f"got {self.policy!r}")
+        check_choices(self)  # policy: the router policy registry
         if self.disaggregation not in ("auto", "always", "never"):
             raise ConfigError(f"RouterConfig.disaggregation must be auto, always or never, "
                               f"got {self.disaggregation!r}")

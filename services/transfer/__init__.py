@@ -14,7 +14,6 @@ Tensors in, tensors out; nothing here knows the engine. See
 from services.transfer.base import (
     AUTO,
     BACKENDS,
-    TRANSFER_CHOICES,
     TransferCorrupted,
     TransferOptions,
     TransferTimeout,
@@ -43,7 +42,6 @@ def __getattr__(name: str):
 __all__ = [
     "AUTO",
     "BACKENDS",
-    "TRANSFER_CHOICES",
     "KVReceiver",
     "KVSender",
     "TransferCorrupted",

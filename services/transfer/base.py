@@ -154,23 +154,6 @@ def transfer_choices() -> tuple[str, ...]:
     return (AUTO, *backend_names())
 
 
-class _TransferChoices(Sequence):
-    """:func:`transfer_choices` as a sequence read anew at each use, so a backend registered after
-    import is a valid choice too (config checks, argparse ``choices``)."""
-
-    def __getitem__(self, index):
-        return transfer_choices()[index]
-
-    def __len__(self) -> int:
-        return len(transfer_choices())
-
-    def __repr__(self) -> str:
-        return repr(transfer_choices())
-
-
-TRANSFER_CHOICES: Sequence[str] = _TransferChoices()
-
-
 def check_request(requested: str) -> str:
     """``requested`` if it is auto or a registered backend, else InvalidArgument naming the choices."""
     if requested != AUTO and requested not in BACKENDS:

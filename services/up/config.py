@@ -18,12 +18,6 @@ from typing import Literal
 
 from services import config as cfg
 from services.config import ConfigError
-from services.agent.reasoning import REASONING_PARSERS
-from services.agent.tool_parsers import TOOL_PARSERS
-from services.draft.base import DRAFTERS
-from services.kv_store.policies import WRITE_POLICIES
-from services.router.policy import POLICIES
-from services.workers.config import TRANSFER_BACKENDS
 
 Layout = Literal["auto", "aggregated", "disaggregated"]
 CoreSharing = Literal["auto", "split", "share", "lease"]
@@ -62,7 +56,7 @@ class UpConfig:
     """aggregated workers (with --aggregated)"""
     tokenizer_only: bool = False
     """start only the tokenizer service"""
-    kv_transfer: str = "auto"
+    kv_transfer: str = cfg.plugin("services.transfer.base:BACKENDS", "auto", extra=("auto",))
     """KV transfer backend of the prefill and decode workers: auto (shm on the same host, else nats),
     shm or nats"""
     kv_cache_memory: float = 1.0
@@ -77,7 +71,7 @@ class UpConfig:
     engine_args: str = ""
     """more options for every engine worker, e.g. "--max-running-requests 8 --page-size 32" (they come
     after kvbus up's own defaults, so they win over them)"""
-    speculative: str = "auto"
+    speculative: str = cfg.plugin("services.draft.base:DRAFTERS", "auto", extra=("auto", "off"))
     """speculative decoding on the decode (or aggregated) workers. auto: n-gram drafts for greedy
     requests only, whose output is the same token for token (sampled ones decode plainly); a drafter's
     name (services.draft.base.DRAFTERS: ngram, model): that drafter for every request; off: none
@@ -100,7 +94,7 @@ class UpConfig:
     """L3 directory (none: no disk tier)"""
     hicache_l3_admit_hits: int = 1
     """L2 hits a page needs to be written to L3 when L2 evicts it"""
-    hicache_write_policy: str = "write_back"
+    hicache_write_policy: str = cfg.plugin("services.kv_store.policies:WRITE_POLICIES", "write_back")
     """when pages reach L2: write_back (on L1 eviction), write_through, write_through_selective
     (services/kv_store/policies.py)"""
     hicache_prefault: bool = True
@@ -126,7 +120,7 @@ class UpConfig:
     """with --trace: the JSON-lines file of spans (default ~/.cache/kvbus/traces.jsonl)"""
     trace_sample_ratio: float = 1.0
     """share of requests traced, 0..1 (with --trace, or with OTEL_EXPORTER_OTLP_ENDPOINT set for Jaeger)"""
-    router_policy: str = "kv"
+    router_policy: str = cfg.plugin("services.router.policy:POLICIES", "kv")
     """how the router picks workers: kv (where the prompt's pages are cached, with conversation affinity),
     least_loaded, round_robin, random (services/router/policy.py; docs/disaggregation.md)"""
     router_temperature: float = 0.0
@@ -135,9 +129,9 @@ class UpConfig:
     """kv policy: weight of the prefill tokens left after cache credits against the decode load"""
     session_ttl: float = 300.0
     """seconds a conversation (session_id, X-Session-ID) stays pinned to its worker after its last request"""
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str = cfg.plugin("services.agent.tool_parsers:TOOL_PARSERS", "hermes")
     """how the model writes tool calls: hermes or llama3_json (docs/agents.md)"""
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = cfg.plugin("services.agent.reasoning:REASONING_PARSERS", None)
     """split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (none: off)"""
     session_from_user: bool = False
     """take the OpenAI `user` field as the conversation id when a request names none"""
@@ -165,23 +159,10 @@ class UpConfig:
                 raise ConfigError(f"--{name} must be a port or 0 (a free one), got {port}")
         if self.aggregated and (self.prefill or self.decode or self.layout == "disaggregated"):
             raise ConfigError("--aggregated contradicts --prefill/--decode/--layout disaggregated")
-        if self.speculative not in ("auto", "off") and self.speculative not in DRAFTERS:
-            raise ConfigError(f"--speculative must be auto, off or a drafter ({', '.join(DRAFTERS.names())}), "
-                              f"got {self.speculative!r}")
-        if self.kv_transfer not in TRANSFER_BACKENDS:
-            raise ConfigError(f"--kv-transfer must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.kv_transfer!r}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ConfigError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
-        for registry, name in ((POLICIES, self.router_policy), (TOOL_PARSERS, self.tool_call_parser),
-                               (REASONING_PARSERS, self.reasoning_parser)):
-            if name is not None and name not in registry:
-                raise ConfigError(f"--{registry.kind.replace(' ', '-')}: unknown {registry.kind} {name!r}; "
-                                  f"choose one of: {', '.join(registry.names())}")
         if self.router_temperature < 0 or self.kv_overlap_weight < 0 or self.session_ttl <= 0:
             raise ConfigError("--router-temperature and --kv-overlap-weight must be >= 0, --session-ttl > 0")
-        if self.hicache_write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
-                              f"got {self.hicache_write_policy!r}")
 
     def speculation(self) -> tuple[str | None, bool]:
         """The engines' drafter (None: off) and whether it drafts for greedy requests only."""

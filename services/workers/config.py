@@ -5,12 +5,8 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from services.config import ConfigError
+from services.config import ConfigError, check_choices, plugin
 from services.engine.config import EngineConfig
-from services.transfer.base import TRANSFER_CHOICES
-
-TRANSFER_BACKENDS = TRANSFER_CHOICES
-"""What ``kv_transfer`` may be: ``auto`` or a registered backend (``services.transfer.BACKENDS``), read live."""
 
 
 def default_host_id() -> str:
@@ -31,7 +27,7 @@ class WorkerConfig(EngineConfig):
     """Default tokens per streamed chunk (a request may ask for more)."""
     heartbeat_interval: float = 1.0
     """Seconds between WorkerHeartbeatEvents to the router."""
-    kv_transfer: str = "auto"
+    kv_transfer: str = plugin("services.transfer.base:BACKENDS", "auto", extra=("auto",))
     """KV transfer backend: auto (shm on the same host, else nats) or a registered backend (shm, nats)."""
     transfer_timeout: float = 30.0
     """Seconds a KV transfer may take before it is abandoned and its pages freed."""
@@ -50,7 +46,7 @@ class WorkerConfig(EngineConfig):
     """remote drafting: seconds a step waits for proposals before it decodes plainly (then skips the service for a while)."""
     hicache: bool = False
     """Use this host's kv_store (HiCache): write evicted KV pages back to host memory, load prefix hits back."""
-    hicache_write_policy: str = "write_back"
+    hicache_write_policy: str = plugin("services.kv_store.policies:WRITE_POLICIES", "write_back")
     """When pages reach the host tier: write_back (on L1 eviction), write_through, write_through_selective."""
     hicache_selective_hits: int = 2
     """write_through_selective: L1 hits after which a page is copied to the host tier."""
@@ -90,10 +86,6 @@ class WorkerConfig(EngineConfig):
             raise ConfigError(f"WorkerConfig.draft_placement must be local or remote, got {self.draft_placement!r}")
         if not self.draft_timeout > 0:
             raise ConfigError("WorkerConfig.draft_timeout must be > 0")
-        from services.kv_store.policies import WRITE_POLICIES
-
-        if self.hicache_write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"WorkerConfig.hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}")
         if self.hicache_selective_hits < 1 or self.hicache_min_load_pages < 1 or not self.hicache_timeout > 0:
             raise ConfigError("WorkerConfig.hicache_selective_hits and hicache_min_load_pages must be >= 1, "
                               "hicache_timeout > 0")
@@ -101,8 +93,7 @@ class WorkerConfig(EngineConfig):
             raise ConfigError("WorkerConfig.hicache_staging_ratio and hicache_fetch_timeout must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"WorkerConfig.metrics_port must be in 0..65535, got {self.metrics_port}")
-        if self.kv_transfer not in TRANSFER_BACKENDS:
-            raise ConfigError(f"WorkerConfig.kv_transfer must be one of {', '.join(TRANSFER_BACKENDS)}")
+        check_choices(self)  # kv_transfer, hicache_write_policy: their registries
 
     @property
     def engine_config(self) -> EngineConfig:

@@ -246,7 +246,7 @@ def test_router_config_cli_env_and_checks():
     built = cfg.build(RouterConfig, parser.parse_args(["--disaggregation", "never"]),
                       {"KVBUS_POLICY": "round_robin", "KVBUS_WORKER_TTL": "1.5"})
     assert built == RouterConfig(policy="round_robin", worker_ttl=1.5, disaggregation="never")
-    with pytest.raises(cfg.ConfigError, match="policy must be one of"):
+    with pytest.raises(cfg.ConfigError, match="RouterConfig.policy: unknown router policy 'kvv'; choose one of: kv, "):
         cfg.build(RouterConfig, {}, {"KVBUS_POLICY": "kvv"})
     with pytest.raises(cfg.ConfigError, match="disaggregation"):
         cfg.build(RouterConfig, {}, {"KVBUS_DISAGGREGATION": "sometimes"})
