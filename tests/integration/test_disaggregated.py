@@ -132,14 +132,18 @@ async def wait_idle(nats_url: str, workers: list[tuple[str, str]], timeout: floa
         await asyncio.sleep(0.2)
 
 
-REMOTE = ("--engine-args", "--local-prefill-tokens 0")  # every prompt through a prefill worker
+# Every prompt through a prefill worker, each pass: the worker's conditional local prefill off, and the
+# router's least_loaded policy (the default kv policy rightly sends the second pass's prompts, all cached
+# on the decode worker by the first, straight there without a prefill: tests/integration/test_router_kv*.py)
+ROUTED = ("--router-policy", "least_loaded")
+REMOTE = ("--engine-args", "--local-prefill-tokens 0", *ROUTED)
 SETUPS = {
     "1P1D-shm": ("--prefill", "1", "--decode", "1", "--kv-transfer", "shm", *REMOTE),
     "1P1D-nats": ("--prefill", "1", "--decode", "1", "--kv-transfer", "nats", *REMOTE),
     "2P1D": ("--prefill", "2", "--decode", "1", *REMOTE),
     # kvbus up's own choice on this small host: the engines take turns on the cores, so the decode
     # worker prefills prompts of up to SHARED_CORES_LOCAL_PREFILL tokens itself
-    "1P1D-lease": ("--prefill", "1", "--decode", "1"),
+    "1P1D-lease": ("--prefill", "1", "--decode", "1", *ROUTED),
     "aggregated": ("--aggregated",),
 }
 
