@@ -88,6 +88,36 @@ def test_fifty_seeded_generations_at_temperature_one_all_validate(engine, spec_e
     assert_idle(eng)
 
 
+def test_greedy_rows_masked_only_when_the_grammar_refuses_the_argmax_give_the_same_tokens(engine, pet_prompt,
+                                                                                           tokenizer):
+    """A greedy constrained row gets its mask only when the grammar refuses the argmax (chain.py): the
+    tokens are those of masking every step, a batch of eight included, with min_tokens and a bias."""
+    chain = engine.runner.processors
+    free = tokenizer.encode("Tell me about the sea.")
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_output=PET_CONSTRAINT),
+              SamplingParams(temperature=0.0, max_tokens=120, structured_output=PET_CONSTRAINT, min_tokens=30,
+                             logit_bias={28: 2.0}),
+              *[SamplingParams(temperature=0.0, max_tokens=60, structured_output=json_schema_constraint(
+                  {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 10 + i}, "minItems": 3,
+                   "maxItems": 5}))
+                for i in range(6)]]
+    prompts = [pet_prompt, pet_prompt] + [free] * 6
+    checked, masked = chain.num_greedy_checked, chain.num_greedy_masked
+    lazy = engine.generate_sync(prompts, params)
+    checked, masked = chain.num_greedy_checked - checked, chain.num_greedy_masked - masked
+    chain.lazy_greedy = False
+    try:
+        eager = engine.generate_sync(prompts, params)
+    finally:
+        chain.lazy_greedy = True
+    for a, b in zip(lazy, eager):
+        assert a.token_ids == b.token_ids, (a.text, b.text)
+    valid_pet(lazy[0].text)
+    assert 0 < masked < checked, (masked, checked)  # refusals were masked, and most steps needed no mask
+    assert all(isinstance(json.loads(o.text), list) for o in lazy[2:])
+    assert_idle(engine)
+
+
 def test_greedy_is_the_same_with_speculation_for_constrained_and_penalised_requests(engine, spec_engine,
                                                                                       pet_prompt, tokenizer):
     repeat = tokenizer.encode("one two three four five six one two three four five six one two three four")

@@ -40,16 +40,24 @@ class PendingMasks:
 
     rows: list[int] = field(default_factory=list)
     future: concurrent.futures.Future | None = None
+    greedy: list[tuple[int, object, int]] = field(default_factory=list)
+    """(sequence index, matcher, logits row) of greedy constrained rows whose mask waits for the argmax."""
     bitmask: torch.Tensor | None = None
     errors: dict[int, str] = field(default_factory=dict)  # by sequence index (LogitsRows.seqs)
 
 
 class LogitsProcessors:
-    def __init__(self, vocab_size: int, device: torch.device, *, overlap: bool = True):
+    def __init__(self, vocab_size: int, device: torch.device, *, overlap: bool = True, lazy_greedy: bool = True):
         self.vocab_size = vocab_size
         self.device = device
         self.overlap = overlap
         """Fill grammar masks on the mask thread during the forward pass (else after it, inline)."""
+        self.lazy_greedy = lazy_greedy
+        """A greedy constrained row (one row, no min_tokens hold) gets its mask only when the grammar
+        refuses its argmax: the masked argmax is the argmax whenever the grammar allows it."""
+        self.num_greedy_checked = 0
+        self.num_greedy_masked = 0
+        """Greedy rows checked lazily, and those whose argmax the grammar refused (then masked)."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mask_wait_seconds = 0.0
         """Time the engine thread waited for masks after the forward pass (the overlap's remainder)."""
@@ -73,6 +81,10 @@ class LogitsProcessors:
             matcher = state.matcher(seq)
             if matcher is None:
                 pending.errors[i] = state.error
+                continue
+            holding = bool(state.min_tokens) and seq.num_output_tokens < state.min_tokens
+            if count == 1 and state.greedy and self.lazy_greedy and not holding:
+                pending.greedy.append((i, matcher, start))
                 continue
             first = len(pending.rows)
             if count == 1:
@@ -130,8 +142,34 @@ class LogitsProcessors:
                 if matcher is not None and matcher.error and i not in errors:
                     errors[i] = s.logits_state.error = f"structured output: {matcher.error}"
             apply_bitmask(logits, pending.bitmask, pending.rows)
+        self._mask_refused_argmax(logits, rows, pending.greedy, errors)
         self.seconds += time.perf_counter() - t_apply
         return logits, raw, errors
+
+    def _mask_refused_argmax(self, logits: torch.Tensor, rows, greedy: list, errors: dict[int, str]) -> None:
+        """Greedy rows: the argmax of the processed logits, if the grammar allows it, is what the masked
+        argmax would be (the same first maximum), so only rows whose argmax it refuses get a mask, filled
+        here on the engine thread. Exact, and no mask for most steps (inside a JSON string, say)."""
+        if not greedy:
+            return
+        index = torch.tensor([row for _, _, row in greedy], dtype=torch.int64, device=logits.device)
+        top = logits.index_select(0, index).argmax(dim=1).tolist()
+        refused = [(i, m, row) for (i, m, row), t in zip(greedy, top) if not m.accept_drafts([t])]
+        self.num_greedy_checked += len(greedy)
+        self.num_greedy_masked += len(refused)
+        if not refused:
+            return
+        try:
+            bitmask = _fill([(m, k) for k, (_, m, _) in enumerate(refused)], [], len(refused), self.vocab_size, [], [])
+        except Exception:  # llguidance failed: each of these requests fails alone
+            log.exception("filling grammar masks failed")
+            for i, _, _ in refused:
+                errors.setdefault(i, "structured output: computing the grammar's mask failed")
+            return
+        for i, m, _ in refused:
+            if m.error and i not in errors:
+                errors[i] = rows.seqs[i].logits_state.error = f"structured output: {m.error}"
+        apply_bitmask(logits, bitmask, [row for _, _, row in refused])
 
     def _penalise(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
         """Every penalised row's context pairs, gathered, penalised and scattered back at once (row j of

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.sampling import GREEDY_EPS
 from schemas.engine import SamplingParams
 from services.engine.logits_processors.penalties import add_tokens
 from services.engine.logits_processors.structured import GrammarSlot
@@ -39,6 +40,8 @@ class LogitsState:
         self.stop_token_ids = sorted(seq.stop_token_ids)  # what min_tokens holds back
         self.grammar = grammar
         self.wants_logprobs = p.logprobs is not None
+        self.greedy = p.temperature < GREEDY_EPS
+        """Sampled by argmax: a grammar's mask is needed only when the argmax is a token it forbids."""
         self.error: str | None = None
         """Why this request cannot go on (its grammar failed): it fails alone at its next step."""
         self._context: tuple[np.ndarray, np.ndarray] | None = None  # penalties.add_tokens' (ids, counts)
