@@ -10,7 +10,10 @@ owns 1 + k rows, row j scoring the token after its first j drafts):
    the tokens of each row's context only; row j of a verifying sequence counts its first j drafts as
    output), then ``logit_bias``, then ``min_tokens`` (EOS and stop ids at -inf while the row's output
    index is below it; folded into the grammar's mask where there is one), then the grammar masks.
-   One gather/scatter per kind over all its rows;
+   One gather/scatter per kind over all its rows. A greedy single row (no drafts, no min_tokens
+   hold) had no mask filled: its argmax is checked with the grammar, and only a refused one gets a
+   mask, filled then (most steps inside a JSON string need none; on few cores the mask thread
+   otherwise slows the forward pass it overlaps by about what it computes);
 3. :meth:`LogitsProcessors.accepted`, after sampling or verification: the matchers take the tokens
    to append, so a token the grammar cannot accept fails its request before it is streamed.
 
