@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from schemas.draft import DraftCloseEvent, DraftProposeReply, DraftProposeReques
 from services.actor import Actor
 from services.draft.base import Drafter, drafter_class
 from services.draft.config import DraftConfig
+from services.draft.metrics import DraftMetrics
+from services.metrics_http import start_metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class DraftActor(Actor):
         self._loop_task: asyncio.Task | None = None
         self.num_batches = 0
         self.num_proposals = 0
+        self.metrics = DraftMetrics(num_waiting=self._queue.qsize, num_streams=lambda: len(self.lengths))
+        self.metrics_server = None  # GET /metrics when config.metrics_port
 
     async def setup(self) -> None:
         if self.drafter is None:
@@ -57,6 +62,8 @@ class DraftActor(Actor):
             self.drafter = await asyncio.to_thread(
                 drafter_class(c.speculative_method).from_config, c, target_dir=str(target))
         self._loop_task = asyncio.create_task(self._batch_loop(), name="draft-batch-loop")
+        self.metrics_server = await start_metrics(self.metrics.registry, self.config.metrics_host,
+                                                  self.config.metrics_port, f"draft {self.worker_id}")
 
     async def start(self, bus) -> None:
         await super().start(bus)
@@ -64,6 +71,9 @@ class DraftActor(Actor):
 
     async def stop(self) -> None:
         await super().stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+            self.metrics_server = None
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -100,6 +110,7 @@ class DraftActor(Actor):
                 replies = await asyncio.to_thread(self._draft, [j.request for j in jobs], closed)
             except Exception as exc:  # a drafter bug fails this batch, not the service
                 log.exception("drafting a batch of %d requests failed", len(jobs))
+                self.metrics.failed_batches.inc()
                 for j in jobs:
                     if not j.future.done():
                         j.future.set_exception(Unavailable(f"drafting failed: {exc}"))
@@ -111,6 +122,7 @@ class DraftActor(Actor):
 
     def _draft(self, requests: list[DraftProposeRequest], closed: list[str]) -> list[DraftProposeReply]:
         """On the drafting thread: apply stream updates, propose for every item of every request."""
+        started = time.perf_counter()
         d = self.drafter
         for rid in closed:
             self.lengths.pop(rid, None)
@@ -136,7 +148,8 @@ class DraftActor(Actor):
             rid, _ = self.lengths.popitem(last=False)
             d.close(rid)
         proposals = d.propose_many(wants) if wants else {}
-        self.num_proposals += sum(1 for p in proposals.values() if p is not None)
+        made = [p for p in proposals.values() if p is not None]
+        self.num_proposals += len(made)
         replies = []
         for req in requests:
             items = []
@@ -150,4 +163,6 @@ class DraftActor(Actor):
                 else:
                     items.append(DraftResult(request_id=rid, position=prop.position, tokens=list(prop.tokens)))
             replies.append(DraftProposeReply(items=items))
+        self.metrics.observe_batch(len(requests), time.perf_counter() - started, len(made),
+                                   sum(len(p.tokens) for p in made), len(resync))
         return replies

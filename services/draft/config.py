@@ -25,6 +25,10 @@ class DraftConfig:
     """model: torch device of the draft model."""
     max_streams: int = 4096
     """Most request streams held; past it the least recently used is dropped (its worker resyncs)."""
+    metrics_port: int = 0
+    """Port of the draft service's Prometheus endpoint (GET /metrics: batches, proposals, resyncs); 0: none."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the metrics endpoint binds (0.0.0.0 to be scraped from other machines)."""
 
     def __post_init__(self) -> None:
         from services.draft.base import speculative_method_problem  # the drafter registry says
@@ -37,3 +41,5 @@ class DraftConfig:
             raise ConfigError("DraftConfig.num_speculative_tokens must be in [1, 16]")
         if self.max_streams < 1:
             raise ConfigError("DraftConfig.max_streams must be >= 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"DraftConfig.metrics_port must be in 0..65535, got {self.metrics_port}")

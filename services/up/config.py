@@ -128,7 +128,8 @@ class UpConfig:
     kv_overlap_weight: float = 1.0
     """kv policy: weight of the prefill tokens left after cache credits against the decode load"""
     session_ttl: float = 300.0
-    """seconds a conversation (session_id, X-Session-ID) stays pinned to its worker after its last request"""
+    """seconds a conversation (session_id, X-Session-ID) stays pinned to its worker after its last request
+    (0: no affinity)"""
     tool_call_parser: str = cfg.plugin("services.agent.tool_parsers:TOOL_PARSERS", "hermes")
     """how the model writes tool calls: hermes or llama3_json (docs/agents.md)"""
     reasoning_parser: str | None = cfg.plugin("services.agent.reasoning:REASONING_PARSERS", None)
@@ -161,8 +162,8 @@ class UpConfig:
             raise ConfigError("--aggregated contradicts --prefill/--decode/--layout disaggregated")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ConfigError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
-        if self.router_temperature < 0 or self.kv_overlap_weight < 0 or self.session_ttl <= 0:
-            raise ConfigError("--router-temperature and --kv-overlap-weight must be >= 0, --session-ttl > 0")
+        if self.router_temperature < 0 or self.kv_overlap_weight < 0 or self.session_ttl < 0:
+            raise ConfigError("--router-temperature, --kv-overlap-weight and --session-ttl must be >= 0")
 
     def speculation(self) -> tuple[str | None, bool]:
         """The engines' drafter (None: off) and whether it drafts for greedy requests only."""

@@ -194,7 +194,7 @@ ROLE_LAUNCHES: tuple[RoleLaunch, ...] = (
     RoleLaunch("decode", lambda config, layout: (config.decode or 1) if layout == "disaggregated" else 0,
                decode_flags, has_metrics_port=True),
     RoleLaunch("gateway", lambda config, layout: 1, gateway_flags),
-    RoleLaunch("draft", lambda config, layout: int(_uses_draft_service(config)), draft_flags),
+    RoleLaunch("draft", lambda config, layout: int(_uses_draft_service(config)), draft_flags, has_metrics_port=True),
 )
 """Every role kvbus up may start, in start order (``--tokenizer-only``: the first alone)."""
 

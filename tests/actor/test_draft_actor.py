@@ -103,3 +103,49 @@ async def network_drop(actor):
     """Unsubscribe the stopped actor's routes so requests find no responder (a dead process)."""
     for sub in list(actor.bus._subscriptions):
         await sub.unsubscribe()
+
+
+async def test_metrics_count_batches_proposals_resyncs_and_failures():
+    """The draft service's /metrics on a real socket (services/draft/metrics.py)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.natsd import free_port
+
+    network = MemoryNetwork()
+    actor = DraftActor(DraftConfig(num_speculative_tokens=3, metrics_port=free_port()), worker_id="d0",
+                       drafter=NgramDrafter())
+    await actor.start(memory_bus(network))
+    client = memory_bus(network)
+
+    async def scrape() -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            text = (await http.get(actor.metrics_server.url)).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    ask = lambda items: client.request(DRAFT_PROPOSE, DraftProposeRequest(worker_id="w", items=items))  # noqa: E731
+    try:
+        m = await scrape()
+        assert m["kvbus_draft_batch_size_count"] == 0 and m["kvbus_draft_num_streams"] == 0
+        await ask([DraftItem(request_id="a", base=0, tokens=STREAM, k=8)])  # proposes [7, 8, 9]
+        await ask([DraftItem(request_id="a", base=5, tokens=[1], k=2)])  # a base not held: resync
+        await ask([DraftItem(request_id="b", base=0, tokens=[1, 2, 3], k=2)])  # no match: no proposal
+        m = await scrape()
+        assert m["kvbus_draft_batch_size_count"] == actor.num_batches == 3
+        assert m["kvbus_draft_batch_size_sum"] == 3
+        assert (m["kvbus_draft_proposals_total"], m["kvbus_draft_proposed_tokens_total"]) == (1, 3)
+        assert m["kvbus_draft_resyncs_total"] == 1 and m["kvbus_draft_num_streams"] == 2
+        assert m["kvbus_draft_failed_batches_total"] == 0
+
+        def broken(*args):
+            raise RuntimeError("drafter bug")
+
+        actor.drafter.propose_many = broken
+        with pytest.raises(Exception):
+            await ask([DraftItem(request_id="c", base=0, tokens=STREAM, k=2)])
+        m = await scrape()
+        assert m["kvbus_draft_failed_batches_total"] == 1 and m["kvbus_draft_num_requests_waiting"] == 0
+    finally:
+        await actor.stop()
+        await client.close()
+    assert actor.metrics_server is None

@@ -84,3 +84,10 @@ def test_kv_store_flags_pass_only_what_was_set():
     assert _value(store, "--hicache-size") == "0.5" and _value(store, "--hicache-storage-dir") == "/var/l3"
     worker = _children(aggregated=True, hicache=True, hicache_write_policy="write_through")["worker-0"]
     assert _value(worker, "--hicache-write-policy") == "write_through"
+
+
+def test_session_ttl_zero_turns_affinity_off():
+    """0 is the router's "no conversation affinity" (bench/router_bench.py's baselines use it)."""
+    assert UpConfig(session_ttl=0).session_ttl == 0
+    with pytest.raises(ConfigError, match="--session-ttl must be >= 0"):
+        UpConfig(session_ttl=-1)
