@@ -85,6 +85,15 @@ class Client:
     async def pages(self) -> int:
         return int((await self.router())["kv_pages_device"])
 
+    async def index_holds(self, ids: list[int], num_tokens: int, session: str | None = None) -> None:
+        """Wait until the router predicts ``num_tokens`` cached for ``ids``: the last turn's tail is in its
+        index. (A page count alone can be met by other pages arriving meanwhile, kvbus up's own first
+        request's: then the next turn is routed before the tail's event and predicted without it.)"""
+        async def holds() -> bool:
+            return (await self.probe(ids, session)).num_cached_tokens >= num_tokens
+
+        await async_wait(holds, 15, f"the router predicting {num_tokens} cached tokens")
+
     async def index_grew(self, base: int, num_pages: int) -> None:
         """Wait until the router's index holds ``num_pages`` device pages more than ``base``: a turn's full
         pages and its tail (the tail is kept when the request is freed, just after its last chunk; events
@@ -134,6 +143,7 @@ async def test_the_next_turn_lands_where_its_cache_is_and_the_prediction_is_exac
     assert cached == 0
     await client.index_grew(base, (len(turn1) + len(answer) - 1) // 16 + 1)
     turn2 = turn1 + answer + words(2, 40)
+    await client.index_holds(turn2, len(turn1) + len(answer) - 1, session="conv-a")
     before = await client.router()
     answer2, cached2 = await client.turn(turn2, session="conv-a")
     assert cached2 >= 150 // 16 * 16, cached2  # the conversation stayed on its worker
@@ -142,8 +152,9 @@ async def test_the_next_turn_lands_where_its_cache_is_and_the_prediction_is_exac
     assert report["cached_tokens_exact"] == report["reports_matched"] >= 1, report
     # without a session, the same conversation goes where its pages are (not by load)
     await client.index_grew(base, (len(turn2) + len(answer2) - 1) // 16 + 1)
-    await client.settled()  # else the turn that just ended is load on its worker for up to a second
     turn3 = turn2 + answer2 + words(3, 30)
+    await client.index_holds(turn3, len(turn2) + len(answer2) - 1)
+    await client.settled()  # else the turn that just ended (and the probe) is load on its worker for up to a second
     before = await client.router()
     _, cached3 = await client.turn(turn3)
     report = await client.reported(before, cached3)
