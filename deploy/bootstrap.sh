@@ -78,7 +78,7 @@ fi
 .venv/bin/kvbus model prepare
 export TRITON_INTERPRET=1
 set +e
-# The whole suite runs one pytest process per test folder: a process that builds dozens of engines
+# The whole suite runs one pytest process per test folder (tests/<folder>/test_*.py): a process that builds dozens of engines
 # keeps the memory torch's allocator and glibc took for them, and one process for everything grew past
 # 24 GB and was killed by the kernel. Naming tests (a path, a node id) runs one process, as pytest would.
 names_tests=""
@@ -92,7 +92,14 @@ if [ -n "$names_tests" ]; then
   exit $code
 fi
 failed=()
-for dir in tests/unit tests/actor tests/engine tests/kernels tests/kv_store tests/integration; do
+folders=()  # every folder under tests/ that holds test modules (a new one is never left out)
+for dir in tests/*/; do
+  compgen -G "${dir}test_*.py" >/dev/null && folders+=("${dir%/}")
+done
+if compgen -G "tests/test_*.py" >/dev/null; then
+  say "tests/test_*.py: put test modules in a folder under tests/ (each folder runs in its own process)"; exit 1
+fi
+for dir in "${folders[@]}"; do
   say "pytest $dir"
   .venv/bin/python -m pytest "$dir" "$@"
   code=$?

@@ -59,3 +59,13 @@ def save_tiny_model(path, config=None, *, tokenizer_from=None, seed: int = 0, ra
     if tokenizer_from is not None:
         shutil.copy(Path(tokenizer_from) / "tokenizer.json", path / "tokenizer.json")
     return path, model
+
+
+def save_chat_tiny_model(path, model_dir) -> Path:
+    """:func:`save_tiny_model` with ``model_dir``'s tokenizer and chat template: a system on it (kvbus up)
+    proves itself ready with a chat completion. Returns the folder."""
+    path, _ = save_tiny_model(path, tokenizer_from=model_dir)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, path / name)
+    return path

@@ -49,7 +49,6 @@ class DraftActor(Actor):
         self._closed: list[str] = []
         self._loop_task: asyncio.Task | None = None
         self.num_batches = 0
-        self.num_proposals = 0
         self.metrics = DraftMetrics(num_waiting=self._queue.qsize, num_streams=lambda: len(self.lengths))
         self.metrics_server = None  # GET /metrics when config.metrics_port
 
@@ -149,7 +148,6 @@ class DraftActor(Actor):
             d.close(rid)
         proposals = d.propose_many(wants) if wants else {}
         made = [p for p in proposals.values() if p is not None]
-        self.num_proposals += len(made)
         replies = []
         for req in requests:
             items = []

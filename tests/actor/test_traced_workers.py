@@ -8,16 +8,12 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import bus.tracing as tracing
 from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import PREFILL, WORKER_GENERATE
 from bus.transport import REQUEST_ID_HEADER
 from bus.tracing import names as n
-from bus.tracing.setup import RequestIdOnEverySpan
 from schemas.engine import SamplingParams
 from schemas.worker import WorkerGenerateRequest
 from services.engine.timeline import STEP_EVENT_EVERY
@@ -25,22 +21,13 @@ from services.workers import WorkerConfig
 from services.workers.actor import WorkerActor
 from services.workers.decode import DecodeActor
 from services.workers.prefill import PrefillActor
+from tests.spans import exporter  # noqa: F401 (a fixture)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.anyio
 NUM_TOKENS = 2 * STEP_EVENT_EVERY + 3
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT = [(i * 37) % 4000 + 100 for i in range(70)]  # 4 full pages and a partial one
-
-
-@pytest.fixture
-def exporter(monkeypatch):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(RequestIdOnEverySpan())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
-    return exporter
 
 
 @pytest.fixture(scope="module")

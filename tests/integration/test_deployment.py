@@ -89,13 +89,9 @@ def nodes():
 def chat_tiny_model(tmp_path_factory, model_dir) -> Path:
     """The tiny random Llama (tests/tiny_model.py) with the default model's tokenizer and chat template:
     kvbus up proves itself ready with a chat completion."""
-    from tests.tiny_model import save_tiny_model
+    from tests.tiny_model import save_chat_tiny_model
 
-    path, _ = save_tiny_model(tmp_path_factory.mktemp("tiny-chat"), tokenizer_from=model_dir)
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, path / name)
-    return path
+    return save_chat_tiny_model(tmp_path_factory.mktemp("tiny-chat"), model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,13 +58,9 @@ SLACK_NS = 5_000_000
 
 @pytest.fixture(scope="module")
 def chat_tiny_model(tmp_path_factory, model_dir) -> Path:
-    from tests.tiny_model import save_tiny_model
+    from tests.tiny_model import save_chat_tiny_model
 
-    path, _ = save_tiny_model(tmp_path_factory.mktemp("tiny-chat-traces"), tokenizer_from=model_dir)
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, path / name)
-    return path
+    return save_chat_tiny_model(tmp_path_factory.mktemp("tiny-chat-traces"), model_dir)
 
 
 @pytest.fixture(scope="module")

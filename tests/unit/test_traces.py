@@ -33,19 +33,10 @@ from services.traces import jaeger
 from services.traces.receiver import SpanFile, make_server
 from services.traces.spans import Span, find_trace, last_trace, read_file
 from services.traces.waterfall import render
+from tests.spans import exporter  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "data" / "jaeger_trace.json"
-
-
-@pytest.fixture
-def exporter(monkeypatch):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(RequestIdOnEverySpan())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
-    return exporter
 
 
 # --- the recorder -----------------------------------------------------------------------------------

@@ -140,10 +140,9 @@ class LogitsProcessors:
                 pending.rows = []
             self.mask_wait_seconds += time.perf_counter() - t0
         if pending.rows:
-            for i, s in enumerate(rows.seqs):  # a limit hit while computing a mask fails that request
-                matcher = s.logits_state.grammar.matcher if s.logits_state and s.logits_state.grammar else None
-                if matcher is not None and matcher.error and i not in errors:
-                    errors[i] = s.logits_state.error = f"structured output: {matcher.error}"
+            for i, s in enumerate(rows.seqs):
+                if s.logits_state and s.logits_state.grammar:
+                    _note_mask_error(i, s, s.logits_state.grammar.matcher, errors)
             apply_bitmask(logits, pending.bitmask, pending.rows)
         self._mask_refused_argmax(logits, rows, pending.greedy, errors)
         self.seconds += time.perf_counter() - t_apply
@@ -170,8 +169,7 @@ class LogitsProcessors:
                 errors.setdefault(i, "structured output: computing the grammar's mask failed")
             return
         for i, m, _ in refused:
-            if m.error and i not in errors:
-                errors[i] = rows.seqs[i].logits_state.error = f"structured output: {m.error}"
+            _note_mask_error(i, rows.seqs[i], m, errors)
         apply_bitmask(logits, bitmask, [row for _, _, row in refused])
 
     def _penalise(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
@@ -239,6 +237,12 @@ class LogitsProcessors:
             if state.error is not None:
                 errors[i] = state.error
         self.seconds += time.perf_counter() - t0
+
+
+def _note_mask_error(i: int, seq, matcher, errors: dict[int, str]) -> None:
+    """A limit hit while computing a mask fails that request (sequence index ``i``) alone."""
+    if matcher is not None and matcher.error and i not in errors:
+        errors[i] = seq.logits_state.error = f"structured output: {matcher.error}"
 
 
 def _fill(plain, verifying, num_rows: int, vocab_size: int, min_rows: list[int], min_ids: list[list[int]]):
