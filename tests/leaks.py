@@ -27,7 +27,10 @@ def pid_of(system, worker_id: str) -> int:
     import psutil
 
     for child in psutil.Process(system.proc.pid).children(recursive=True):
-        cmd = child.cmdline()
+        try:
+            cmd = child.cmdline()
+        except psutil.NoSuchProcess:  # exited meanwhile, or a zombie not yet reaped (ZombieProcess)
+            continue
         if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == worker_id:
             return child.pid
     raise LookupError(worker_id)
