@@ -114,7 +114,8 @@ POLICIES = ("kv", "round_robin", "random", "least_loaded")
 
 async def conversations(nats_url: str, args) -> dict:
     from bus.nats_transport import BusConfig, connect
-    from bus.subjects import GENERATE
+    from bus.subjects import GENERATE, HEALTH
+    from schemas.common import HealthRequest
     from schemas.engine import SamplingParams
     from schemas.generate import GenerateRequest
 
@@ -132,7 +133,7 @@ async def conversations(nats_url: str, args) -> dict:
         for t in range(args.turns):
             if t:
                 history = history + tails[s][t]
-            started, first, answer, usage = time.monotonic(), None, [], None
+            started, first, answer, usage, remote = time.monotonic(), None, [], None, False
             req = GenerateRequest(prompt_token_ids=history, sampling=sampling, session_id=f"session-{s}")
             async with bus.stream(GENERATE, req, timeout=600) as chunks:
                 async for chunk in chunks:
@@ -140,21 +141,27 @@ async def conversations(nats_url: str, args) -> dict:
                         first = time.monotonic() - started
                     answer += chunk.token_ids
                     usage = chunk.usage or usage
+                    remote = remote or "prefill_call_s" in (chunk.timings or {})  # a prefill worker's
             turns.append({"turn": t, "ttft": first, "prompt": usage.prompt_tokens,
-                          "cached": usage.cached_prompt_tokens})
+                          "cached": usage.cached_prompt_tokens, "remote": remote})
             history = history + answer
 
     try:
         t0 = time.monotonic()
         await asyncio.gather(*(session(s) for s in range(args.sessions)))
         wall = time.monotonic() - t0
+        router = (await bus.request(HEALTH, HealthRequest(), timeout=10, role="router")).detail
     finally:
         await bus.close()
     later = [t for t in turns if t["turn"] >= 1]
     share = lambda ts: sum(t["cached"] for t in ts) / max(1, sum(t["prompt"] for t in ts))  # noqa: E731
     ttfts = [t["ttft"] for t in later]
     return {"hit_later": share(later), "hit_all": share(turns), "ttft_p50": percentile(ttfts, 50),
-            "ttft_p90": percentile(ttfts, 90), "wall": wall, "turns": len(turns)}
+            "ttft_p90": percentile(ttfts, 90), "wall": wall, "turns": len(turns),
+            "remote_later": sum(t["remote"] for t in later) / max(1, len(later)),
+            # the router's view: what it predicted cached against what the prefilling workers found
+            "router": {k: v for k, v in router.items() if k.startswith(("cached_tokens", "session", "kv_pages",
+                                                                        "reports"))}}
 
 
 def workload_bench(args) -> list[dict]:
@@ -182,9 +189,10 @@ def workload_table(results: list[dict]) -> str:
         ratio = lambda k: f" ({r[k] / base[k]:.2f}x)" if base and base[k] else ""  # noqa: E731
         rows.append([r["layout"], r["policy"], f"{r['hit_later']:.1%}{ratio('hit_later')}", f"{r['hit_all']:.1%}",
                      f"{r['ttft_p50'] * 1e3:.0f}{ratio('ttft_p50')}", f"{r['ttft_p90'] * 1e3:.0f}",
-                     f"{r['wall']:.1f}{ratio('wall')}"])
+                     f"{r['wall']:.1f}{ratio('wall')}", f"{r.get('remote_later', 0):.0%}"])
     return table(rows, ["layout", "policy", "cached share, turns >= 2 (x rr)", "cached share, all",
-                        "TTFT p50 ms, turns >= 2 (x rr)", "TTFT p90 ms", "wall s (x rr)"])
+                        "TTFT p50 ms, turns >= 2 (x rr)", "TTFT p90 ms", "wall s (x rr)",
+                        "prefilled remotely, turns >= 2"])
 
 
 def main() -> None:

@@ -165,6 +165,7 @@ class ModelRunner:
         seqs, tokens, logprobs, sample_errors = self.sample(logits, logits_rows, raw)
         errors.update(sample_errors)
         if pending is not None:
+            self.processors.redraw_refused(logits, logits_rows, pending, tokens, logprobs, errors, raw)
             self.processors.accepted(seqs, tokens, errors)
         return seqs, tokens, logprobs, errors
 

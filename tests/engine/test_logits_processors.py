@@ -10,6 +10,7 @@ rows that ask for nothing (left exactly as they were).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from schemas.engine import SamplingParams, StructuredOutput
 from services.agent.grammar import GrammarCompiler, json_schema_constraint
 from services.engine.logits_processors import GrammarService, LogitsProcessors, LogitsState, wants_logit_work
 from services.engine.model_runner import LogitsRows
+from services.engine.sampling import sample_tokens
 from services.engine.sequence import Sequence
 
 V = 50
@@ -181,7 +183,7 @@ def test_grammar_masks_per_row_match_stepping_and_a_failing_grammar_fails_alone(
     counts = [1, 1, 4, 1, 1, 1]
     rows = rows_of(seqs, counts)
     logits = torch.randn(sum(counts), vocab, generator=torch.Generator().manual_seed(5))
-    chain = LogitsProcessors(vocab, torch.device("cpu"))
+    chain = LogitsProcessors(vocab, torch.device("cpu"), defer_masks=False)  # every row masked up front
     got, _, errors = chain.apply(logits.clone(), rows, chain.start(rows))
     assert list(errors) == [1] and "structured output" in errors[1]  # the broken grammar, alone
     assert torch.equal(got[1], logits[1])  # its row is left as it came
@@ -220,3 +222,85 @@ def test_bad_logit_work_is_refused_when_the_request_arrives():
     seq = intake.new_sequence("ok", [1, 2, 3], SamplingParams(min_tokens=2, num_prior_output_tokens=1))
     assert seq.logits_state is not None and seq.generated_token_ids == [3] and seq.num_generated_tokens == 1
     assert intake.new_sequence("plain", [1, 2], SamplingParams(temperature=0.3)).logits_state is None
+
+
+# --- deferred rows: drawn without the mask, drawn again with it when the grammar refuses -------------
+
+def deferred_draws(service, constraint, prompt, output, logits, params: list[SamplingParams]) -> tuple[list[int], LogitsProcessors]:
+    """One constrained request a row, each with ``output`` so far, drawing its next token from ``logits``
+    [1, V] through the chain as the model runner does (start, apply, sample, redraw_refused, accepted)."""
+    vocab = logits.shape[1]
+    chain = LogitsProcessors(vocab, torch.device("cpu"))
+    out = []
+    for first in range(0, len(params), 100):
+        seqs = []
+        for p in params[first : first + 100]:
+            seq = make_seq(prompt, output, p)
+            seq.logits_state = LogitsState(seq, service.start(constraint, []))
+            seqs.append(seq)
+        rows = rows_of(seqs, [1] * len(seqs))
+        pending = chain.start(rows)
+        assert len(pending.deferred) == len(seqs) and not pending.rows  # no mask filled before sampling
+        got, raw, errors = chain.apply(logits.expand(len(seqs), vocab).clone(), rows, pending)
+        steps = [s.num_generated_tokens for s in seqs]
+        tokens, lps, sample_errors = sample_tokens(got, [s.params for s in seqs], steps)
+        tokens, lps = [[t] for t in tokens], [[lp] for lp in lps]
+        chain.redraw_refused(got, rows, pending, tokens, lps, errors, raw)
+        chain.accepted(seqs, tokens, errors)
+        assert errors == {} and sample_errors == {}
+        out += [t[0] for t in tokens]
+    return out, chain
+
+
+def test_deferred_rows_draw_exactly_the_masked_distribution(service, reference_compiler, tokenizer):
+    """A temperature-only constrained row is drawn from its unmasked logits and, when the grammar refuses
+    the token, drawn again from the masked row (chain.py): token a comes out with p(a) / p(A), the
+    masked distribution. Seeded draws against softmax over the allowed tokens: the total variation stays
+    well under what a biased redraw gives (the first draw's uniform reused: 0.23 to 0.25 here), and
+    no draw falls outside the grammar."""
+    vocab = service.vocab_size
+    constraint = json_schema_constraint({"enum": ["cat", "dog", "cow", "bird", "bee"]})
+    prompt = tokenizer.encode("Animal:")
+    quote = tokenizer.encode('"', add_special_tokens=False)  # the string opened: the names' tokens come next
+    ok = allowed(reference_compiler, constraint, quote, vocab)
+    allowed_ids = ok.nonzero().squeeze(1)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, vocab, generator=g) - 12.0  # the rest of the vocabulary: next to no mass
+    logits[0, allowed_ids] = torch.randn(len(allowed_ids), generator=g)
+    mass = float(logits[0, allowed_ids].exp().sum())
+    logits[0, (~ok).nonzero().squeeze(1)[:40]] = math.log(mass / 40)  # the grammar refuses about half the draws
+    p = torch.softmax(logits[0], dim=0)
+    want = p[allowed_ids] / p[allowed_ids].sum()
+    for seeded, draws, bound in [(False, 4000, 0.03), (True, 800, 0.08)]:
+        if not seeded:
+            torch.manual_seed(0)  # unseeded rows draw from torch's global generator
+        params = [SamplingParams(temperature=1.0, seed=i if seeded else None, structured_output=constraint)
+                  for i in range(draws)]
+        tokens, chain = deferred_draws(service, constraint, prompt, quote, logits, params)
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).float()
+        assert counts[~ok].sum() == 0  # every token fits the grammar
+        assert chain.num_deferred_checked == draws
+        assert 0.35 * draws < chain.num_deferred_redrawn < 0.65 * draws  # about 1 - p(A) of them
+        tv = 0.5 * float((counts[allowed_ids] / draws - want).abs().sum())
+        assert tv < bound, (seeded, tv)
+
+
+def test_truncating_samplers_and_drafts_are_masked_before_sampling(service, tokenizer):
+    """top-k, top-p and min-p keep a set that depends on the mask, so such a row is masked up front, as
+    is a verifying row and one held by min_tokens; argmax and temperature alone are deferred."""
+    constraint = json_schema_constraint({"enum": ["cat", "dog"]})
+    prompt = tokenizer.encode("Animal:")
+
+    def seq_of(drafts=(), **kw):
+        seq = make_seq(prompt, [], SamplingParams(structured_output=constraint, **kw), drafts)
+        seq.logits_state = LogitsState(seq, service.start(constraint, []))
+        return seq
+
+    seqs = [seq_of(temperature=0.0), seq_of(temperature=0.7), seq_of(temperature=0.7, top_k=20),
+            seq_of(temperature=0.7, top_p=0.9), seq_of(temperature=0.7, min_p=0.05), seq_of(min_tokens=3),
+            seq_of(temperature=0.0, drafts=[5])]
+    counts = [1, 1, 1, 1, 1, 1, 2]
+    pending = LogitsProcessors(service.vocab_size, torch.device("cpu")).start(rows_of(seqs, counts))
+    assert [i for i, _, _ in pending.deferred] == [0, 1]
+    assert pending.rows == [2, 3, 4, 5, 6, 7]
+    pending.future.result()

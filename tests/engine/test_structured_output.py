@@ -102,14 +102,14 @@ def test_greedy_rows_masked_only_when_the_grammar_refuses_the_argmax_give_the_sa
                    "maxItems": 5}))
                 for i in range(6)]]
     prompts = [pet_prompt, pet_prompt] + [free] * 6
-    checked, masked = chain.num_greedy_checked, chain.num_greedy_masked
+    checked, masked = chain.num_deferred_checked, chain.num_deferred_redrawn
     lazy = engine.generate_sync(prompts, params)
-    checked, masked = chain.num_greedy_checked - checked, chain.num_greedy_masked - masked
-    chain.lazy_greedy = False
+    checked, masked = chain.num_deferred_checked - checked, chain.num_deferred_redrawn - masked
+    chain.defer_masks = False
     try:
         eager = engine.generate_sync(prompts, params)
     finally:
-        chain.lazy_greedy = True
+        chain.defer_masks = True
     for a, b in zip(lazy, eager):
         assert a.token_ids == b.token_ids, (a.text, b.text)
     valid_pet(lazy[0].text)

@@ -4,18 +4,29 @@ Per step, for the rows of the sequences that ask for something (``LogitsRows``; 
 owns 1 + k rows, row j scoring the token after its first j drafts):
 
 1. :meth:`LogitsProcessors.start`, before the forward pass: each constrained sequence's matcher is
-   brought up to date and the grammar masks of all its rows are filled on the mask thread (llguidance
-   computes them without the GIL) while the engine thread runs the model;
+   brought up to date and the grammar masks of its rows are filled on the mask thread (llguidance
+   computes them without the GIL) while the engine thread runs the model. A *deferred* row gets no
+   mask now (below);
 2. :meth:`LogitsProcessors.apply`, on the logits: penalties (repetition, frequency, presence, on
    the tokens of each row's context only; row j of a verifying sequence counts its first j drafts as
    output), then ``logit_bias``, then ``min_tokens`` (EOS and stop ids at -inf while the row's output
    index is below it; folded into the grammar's mask where there is one), then the grammar masks.
-   One gather/scatter per kind over all its rows. A greedy single row (no drafts, no min_tokens
-   hold) had no mask filled: its argmax is checked with the grammar, and only a refused one gets a
-   mask, filled then (most steps inside a JSON string need none; on few cores the mask thread
-   otherwise slows the forward pass it overlaps by about what it computes);
-3. :meth:`LogitsProcessors.accepted`, after sampling or verification: the matchers take the tokens
-   to append, so a token the grammar cannot accept fails its request before it is streamed.
+   One gather/scatter per kind over all its rows;
+3. :meth:`LogitsProcessors.redraw_refused`, after sampling: a deferred row's token, drawn without
+   the mask, stands when the grammar allows it; a refused one is drawn again from the row with its
+   mask, filled then on the engine thread;
+4. :meth:`LogitsProcessors.accepted`: the matchers take the tokens to append, so a token the
+   grammar cannot accept fails its request before it is streamed.
+
+Deferred rows are a constrained sequence's single row (no drafts, no min_tokens hold) whose sampler
+is argmax or temperature alone (no top-k, top-p, min-p). For those, drawing from the unmasked row
+and drawing again from the masked one when the grammar refuses the token is exactly drawing from
+the masked row: with p the row's distribution and A the tokens the grammar allows, token a in A comes
+out with probability p(a) + (1 - p(A)) * p(a) / p(A) = p(a) / p(A) (for argmax: the masked argmax is
+the argmax whenever the grammar allows it). The second draw is independent of the first (a seeded
+request draws it at its own offset). A truncating sampler is not deferred: its kept set depends on
+the mask. Most steps need no mask then (inside a JSON string, nearly every token fits); on few cores
+the mask thread otherwise slows the forward pass it overlaps by about what it computes.
 
 A request whose grammar fails (it did not compile, a limit was hit, a token does not fit) fails
 alone: its rows are left as they came and the runner reports it as that request's error.
@@ -33,8 +44,13 @@ import torch
 
 from services.engine.logits_processors.penalties import add_tokens, apply_penalties
 from services.engine.logits_processors.structured import apply_bitmask, clear_tokens, fill_row_masks
+from services.engine.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
+
+REDRAW_OFFSET = 1 << 30
+"""Added to a seeded row's output index for its second draw, so that draw is independent of the first
+(the Triton sampler keys its noise by offset << 32: this stays inside int64)."""
 
 
 @dataclass
@@ -43,24 +59,26 @@ class PendingMasks:
 
     rows: list[int] = field(default_factory=list)
     future: concurrent.futures.Future | None = None
-    greedy: list[tuple[int, object, int]] = field(default_factory=list)
-    """(sequence index, matcher, logits row) of greedy constrained rows whose mask waits for the argmax."""
+    deferred: list[tuple[int, object, int]] = field(default_factory=list)
+    """(sequence index, matcher, logits row) of deferred rows: masked only when the grammar refuses the
+    token drawn without the mask (:meth:`LogitsProcessors.redraw_refused`)."""
     bitmask: torch.Tensor | None = None
     errors: dict[int, str] = field(default_factory=dict)  # by sequence index (LogitsRows.seqs)
 
 
 class LogitsProcessors:
-    def __init__(self, vocab_size: int, device: torch.device, *, overlap: bool = True, lazy_greedy: bool = True):
+    def __init__(self, vocab_size: int, device: torch.device, *, overlap: bool = True, defer_masks: bool = True):
         self.vocab_size = vocab_size
         self.device = device
         self.overlap = overlap
         """Fill grammar masks on the mask thread during the forward pass (else after it, inline)."""
-        self.lazy_greedy = lazy_greedy
-        """A greedy constrained row (one row, no min_tokens hold) gets its mask only when the grammar
-        refuses its argmax: the masked argmax is the argmax whenever the grammar allows it."""
-        self.num_greedy_checked = 0
-        self.num_greedy_masked = 0
-        """Greedy rows checked lazily, and those whose argmax the grammar refused (then masked)."""
+        self.defer_masks = defer_masks
+        """A deferred row (argmax or temperature-only sampling, one row, no min_tokens hold) gets its
+        mask only when the grammar refuses the token drawn without it (False: every row is masked)."""
+        self.num_deferred_checked = 0
+        self.num_deferred_redrawn = 0
+        """Deferred rows whose token was checked against the grammar, and those it refused (then
+        masked and drawn again)."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mask_wait_seconds = 0.0
         """Time the engine thread waited for masks after the forward pass (the overlap's remainder)."""
@@ -86,8 +104,8 @@ class LogitsProcessors:
                 pending.errors[i] = state.error
                 continue
             holding = bool(state.min_tokens) and seq.num_output_tokens < state.min_tokens
-            if count == 1 and state.greedy and self.lazy_greedy and not holding:
-                pending.greedy.append((i, matcher, start))
+            if count == 1 and state.deferrable and self.defer_masks and not holding:
+                pending.deferred.append((i, matcher, start))
                 continue
             first = len(pending.rows)
             if count == 1:
@@ -144,33 +162,8 @@ class LogitsProcessors:
                 if s.logits_state and s.logits_state.grammar:
                     _note_mask_error(i, s, s.logits_state.grammar.matcher, errors)
             apply_bitmask(logits, pending.bitmask, pending.rows)
-        self._mask_refused_argmax(logits, rows, pending.greedy, errors)
         self.seconds += time.perf_counter() - t_apply
         return logits, raw, errors
-
-    def _mask_refused_argmax(self, logits: torch.Tensor, rows, greedy: list, errors: dict[int, str]) -> None:
-        """Greedy rows: the argmax of the processed logits, if the grammar allows it, is what the masked
-        argmax would be (the same first maximum), so only rows whose argmax it refuses get a mask, filled
-        here on the engine thread. Exact, and no mask for most steps (inside a JSON string, say)."""
-        if not greedy:
-            return
-        index = torch.tensor([row for _, _, row in greedy], dtype=torch.int64, device=logits.device)
-        top = logits.index_select(0, index).argmax(dim=1).tolist()
-        refused = [(i, m, row) for (i, m, row), t in zip(greedy, top) if not m.accept_drafts([t])]
-        self.num_greedy_checked += len(greedy)
-        self.num_greedy_masked += len(refused)
-        if not refused:
-            return
-        try:
-            bitmask = _fill([(m, k) for k, (_, m, _) in enumerate(refused)], [], len(refused), self.vocab_size, [], [])
-        except Exception:  # llguidance failed: each of these requests fails alone
-            log.exception("filling grammar masks failed")
-            for i, _, _ in refused:
-                errors.setdefault(i, "structured output: computing the grammar's mask failed")
-            return
-        for i, m, _ in refused:
-            _note_mask_error(i, rows.seqs[i], m, errors)
-        apply_bitmask(logits, bitmask, [row for _, _, row in refused])
 
     def _penalise(self, logits: torch.Tensor, rows, seq_indexes: list[int]) -> None:
         """Every penalised row's context pairs, gathered, penalised and scattered back at once (row j of
@@ -224,6 +217,49 @@ class LogitsProcessors:
             logits.view(-1).index_fill_(0, flat.to(logits.device), float("-inf"))
 
     # ---- after sampling -----------------------------------------------------------------------------
+
+    def redraw_refused(self, logits: torch.Tensor, rows, pending: PendingMasks | None, tokens: list[list[int]],
+                       logprobs: list, errors: dict[int, str], raw: torch.Tensor | None) -> None:
+        """Deferred rows: a token the grammar allows stands; a refused one is drawn again from the row
+        with the grammar's mask (filled now, on the engine thread), at its own seeded offset.
+        ``tokens`` and ``logprobs`` (by sequence index) change in place."""
+        if pending is None or not pending.deferred:
+            return
+        t0 = time.perf_counter()
+        drawn = [(i, m, row) for i, m, row in pending.deferred if i not in errors and tokens[i]]
+        refused = [(i, m, row) for i, m, row in drawn if not m.accept_drafts(tokens[i][:1])]
+        self.num_deferred_checked += len(drawn)
+        self.num_deferred_redrawn += len(refused)
+        if refused:
+            self._redraw(logits, rows, refused, tokens, logprobs, errors, raw)
+        self.seconds += time.perf_counter() - t0
+
+    def _redraw(self, logits, rows, refused, tokens, logprobs, errors, raw) -> None:
+        try:
+            bitmask = _fill([(m, k) for k, (_, m, _) in enumerate(refused)], [], len(refused), self.vocab_size, [], [])
+        except Exception:  # llguidance failed: each of these requests fails alone
+            log.exception("filling grammar masks failed")
+            for i, _, _ in refused:
+                errors.setdefault(i, "structured output: computing the grammar's mask failed")
+            return
+        for i, m, _ in refused:
+            _note_mask_error(i, rows.seqs[i], m, errors)
+        refused = [r for r in refused if r[0] not in errors]
+        if not refused:
+            return
+        at = [row for _, _, row in refused]
+        apply_bitmask(logits, bitmask, at)
+        index = torch.tensor(at, dtype=torch.int64, device=logits.device)
+        seqs = [rows.seqs[i] for i, _, _ in refused]
+        new, lps, sample_errors = sample_tokens(
+            logits.index_select(0, index), [s.params for s in seqs],
+            [s.num_generated_tokens + REDRAW_OFFSET for s in seqs],
+            raw.index_select(0, index) if raw is not None else None)
+        for k, (i, _, _) in enumerate(refused):
+            if k in sample_errors:
+                errors[i] = sample_errors[k]
+            else:
+                tokens[i], logprobs[i] = [new[k]], [lps[k]]
 
     def accepted(self, seqs, tokens: list[list[int]], errors: dict[int, str]) -> None:
         """The tokens each sequence will append: its matcher takes them; one the grammar cannot accept

@@ -40,8 +40,9 @@ class LogitsState:
         self.stop_token_ids = sorted(seq.stop_token_ids)  # what min_tokens holds back
         self.grammar = grammar
         self.wants_logprobs = p.logprobs is not None
-        self.greedy = p.temperature < GREEDY_EPS
-        """Sampled by argmax: a grammar's mask is needed only when the argmax is a token it forbids."""
+        self.deferrable = p.temperature < GREEDY_EPS or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0.0)
+        """Argmax or temperature alone: the grammar's mask is needed only when the token drawn without it
+        is one the grammar refuses (chain.py says why that is exact)."""
         self.error: str | None = None
         """Why this request cannot go on (its grammar failed): it fails alone at its next step."""
         self._context: tuple[np.ndarray, np.ndarray] | None = None  # penalties.add_tokens' (ids, counts)
