@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from schemas.generate import GenerateChunk, GenerateRequest, ToolCallDelta
+from schemas.generate import GenerateChunk, GenerateRequest, ToolCallDelta, ToolChoice
 from schemas.tokenizer import ToolCall, ToolCallFunction
 from services.agent.reasoning import REASONING_PARSERS
 from services.agent.tool_parsers import TOOL_PARSERS
@@ -58,6 +58,12 @@ class ReplyParser:
                                        reasoning_content=reasoning or None if self.reasoning is not None else None)
 
 
+def forces_calls(req: GenerateRequest) -> bool:
+    """Whether the reply must be tool calls (``tool_choice`` ``required`` or a named function): the
+    gateway then constrains it with the parser's call grammar, and the parser streams arguments."""
+    return bool(req.tools) and (req.tool_choice == "required" or isinstance(req.tool_choice, ToolChoice))
+
+
 def reply_parser(req: GenerateRequest, *, tool_parser: str | None, reasoning_parser: str | None,
                  new_id: Callable[[], str] = new_call_id) -> ReplyParser | None:
     """The parsers a request needs, or None: tool calls are parsed when the request has tools and
@@ -66,8 +72,8 @@ def reply_parser(req: GenerateRequest, *, tool_parser: str | None, reasoning_par
     wants_reasoning = req.messages is not None and reasoning_parser is not None
     if not wants_tools and not wants_reasoning:
         return None
-    tools = TOOL_PARSERS.get(tool_parser)(req.tools, parallel=req.parallel_tool_calls, new_id=new_id) \
-        if wants_tools else None
+    tools = TOOL_PARSERS.get(tool_parser)(req.tools, parallel=req.parallel_tool_calls, new_id=new_id,
+                                          guaranteed=forces_calls(req)) if wants_tools else None
     return ReplyParser(REASONING_PARSERS.get(reasoning_parser)() if wants_reasoning else None, tools)
 
 

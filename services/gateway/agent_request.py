@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from schemas.engine import InvalidSamplingParams, StructuredOutput
-from schemas.generate import GenerateRequest, ToolChoice
+from schemas.generate import GenerateRequest
 from services.agent import grammar
-from services.agent.output import ReplyParser, reply_parser
+from services.agent.output import ReplyParser, forces_calls, reply_parser
 from services.agent.tool_parsers import TOOL_PARSERS
 from services.agent.tools import BadField, check_agent_fields
 from services.gateway.config import GatewayConfig
@@ -21,12 +21,12 @@ def derived_constraint(req: GenerateRequest, tool_parser: str) -> tuple[Structur
     ``tool_choice`` ``required`` or a named function: the reply must be calls in the tool-call
     parser's format (its ``call_grammar``) whose arguments match each tool's schema."""
     choice, response_format = req.tool_choice, req.response_format
-    forces_calls = bool(req.tools) and (choice == "required" or isinstance(choice, ToolChoice))
-    if forces_calls and response_format is not None and response_format.type != "text":
+    calls_forced = forces_calls(req)
+    if calls_forced and response_format is not None and response_format.type != "text":
         raise BadField("response_format", "response_format cannot be combined with tool_choice 'required' or a "
                                           "named function (both would constrain the reply)")
     try:
-        if forces_calls:
+        if calls_forced:
             tools = req.tools if choice == "required" else \
                 [t for t in req.tools if t.function.name == choice.function.name]
             parallel = req.parallel_tool_calls and choice == "required"
@@ -38,7 +38,7 @@ def derived_constraint(req: GenerateRequest, tool_parser: str) -> tuple[Structur
             return StructuredOutput(kind="json_object"), "response_format"
         return grammar.json_schema_constraint(response_format.json_schema.schema), "response_format"
     except InvalidSamplingParams as exc:  # a spec too large
-        raise BadField("tool_choice" if forces_calls else "response_format", str(exc)) from None
+        raise BadField("tool_choice" if calls_forced else "response_format", str(exc)) from None
 
 
 def prepare(req: GenerateRequest, config: GatewayConfig) -> GenerateRequest:

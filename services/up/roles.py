@@ -97,8 +97,29 @@ def tokenizer_flags(context: LaunchContext, wid: str) -> list[str]:
 
 def router_flags(context: LaunchContext, wid: str) -> list[str]:
     config = context.config
+    local = decode_local_prefill_tokens(context)
+    # The router decides which worker prefills (and predicts what it finds cached, and counts its load) by
+    # the uncached part on the decode worker; a decode worker keeping up to `local` tokens itself would
+    # overrule it, so the router draws the line where the workers do.
+    disagg = _option("--min-disagg-tokens", local + 1 if local else None)
     return ["--policy", config.router_policy, "--router-temperature", str(config.router_temperature),
-            "--kv-overlap-weight", str(config.kv_overlap_weight), "--session-ttl", str(config.session_ttl)]
+            "--kv-overlap-weight", str(config.kv_overlap_weight), "--session-ttl", str(config.session_ttl),
+            *disagg]
+
+
+def decode_local_prefill_tokens(context: LaunchContext) -> int:
+    """The uncached prompt tokens a decode worker prefills itself (0: none): kvbus up's default where
+    the engines share cores, or ``--local-prefill-tokens`` in --engine-args (the last one, as argparse
+    reads it)."""
+    is_sharing_cores = context.core_sharing in ("lease", "share")
+    local = SHARED_CORES_LOCAL_PREFILL if is_sharing_cores else 0
+    args = shlex.split(context.config.engine_args)
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--local-prefill-tokens" and i + 1 < len(args) else \
+            arg.partition("=")[2] if arg.startswith("--local-prefill-tokens=") else None
+        if value is not None and value.isdigit():  # (anything else: the worker refuses it, clearly)
+            local = int(value)
+    return local
 
 
 def gateway_flags(context: LaunchContext, wid: str) -> list[str]:

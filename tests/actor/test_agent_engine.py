@@ -66,6 +66,15 @@ async def test_forced_tool_calls_and_json_schema_through_the_openai_client(clust
             if choice != "required":
                 assert call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
+            # streamed: the grammar guarantees the call, so its arguments arrive piece by piece (OpenAI's
+            # stream) after a first delta with its id and name; joined, the same call as above
+            deltas = [d async for c in await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                parallel_tool_calls=False, max_tokens=60, temperature=0.0, stream=True)
+                for d in (c.choices[0].delta.tool_calls or []) if c.choices]
+            assert deltas[0].id and deltas[0].function.name == call.function.name
+            pieces = [d.function.arguments for d in deltas[1:] if d.function.arguments]
+            assert len(pieces) > 1 and "".join(pieces) == call.function.arguments, pieces
         stream = await client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Describe a city as JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},

@@ -161,7 +161,10 @@ def test_greedy_outputs_match_the_in_process_engine(setup, model_dir, prompts, r
             decode = asyncio.run(health(cluster.nats_url, "decode", "decode-0")).detail
             if setup == "1P1D-lease":
                 assert max(len(p) for p in prompts) <= SHARED_CORES_LOCAL_PREFILL
-                assert decode["remote_prefills"] == "0" and int(decode["kept_local"]) >= 2 * NUM_PROMPTS, decode
+                # the router draws the line where the decode worker does (kvbus up gives it --min-disagg-tokens
+                # above the worker's --local-prefill-tokens), so it routes these prompts to the decoder itself
+                assert decode["remote_prefills"] == "0" and int(decode["local_prefills"]) >= 2 * NUM_PROMPTS, decode
+                assert decode["kept_local"] == "0", decode  # the worker never had to overrule the router
                 return
             assert int(decode["remote_prefills"]) >= 2 * NUM_PROMPTS, decode  # nothing quietly local
             assert decode["prefill_failures"] == "0", decode

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from schemas.generate import GenerateChunk, GenerateRequest
+from schemas.generate import GenerateChunk, GenerateRequest, ToolChoice, ToolChoiceFunction
 from schemas.tokenizer import ChatMessage, Tool, ToolFunction
 from services.agent.output import ReplyParser, merge_tool_calls, reply_parser
 from services.agent.reasoning import REASONING_PARSERS
@@ -236,3 +236,67 @@ def test_which_requests_are_parsed():
     assert last.finish_reason == "length" and last.tool_calls[0].name == "get_time"
     parser = reply_parser(chat_request(tools=TOOLS), tool_parser="hermes", reasoning_parser=None)
     assert parser.chunk(GenerateChunk(text="no call", finish_reason="stop")).finish_reason == "stop"
+
+
+# --- calls a grammar guarantees (tool_choice "required" or a named function): arguments stream ------------
+
+TRICKY = {"location": 'a "}" b', "days": [1, {"x": 2}]}
+GUARANTEED = {  # (output, [(name, arguments)])
+    "hermes": [
+        ('<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Paris", "unit": "celsius"}}\n'
+         '</tool_call>', [("get_current_weather", {"location": "Paris", "unit": "celsius"})]),
+        ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": '
+         '"get_current_weather", "arguments": ' + json.dumps(TRICKY) + '}\n</tool_call>',
+         [("get_time", {}), ("get_current_weather", TRICKY)]),
+    ],
+    "llama3_json": [
+        ('{"name": "get_current_weather", "parameters": {"location": "Paris", "unit": "celsius"}}',
+         [("get_current_weather", {"location": "Paris", "unit": "celsius"})]),
+        ('{"name": "get_time", "parameters": {}}; {"name": "get_current_weather", "parameters": '
+         + json.dumps(TRICKY) + '}', [("get_time", {}), ("get_current_weather", TRICKY)]),
+    ],
+}
+
+
+def run_guaranteed(name: str, pieces: list[str]):
+    parser = TOOL_PARSERS.get(name)(TOOLS, new_id=counter_ids(), guaranteed=True)
+    outs = [parser.feed(p) for p in pieces] + [parser.finish()]
+    return "".join(o.content for o in outs), [d for o in outs for d in o.calls]
+
+
+@pytest.mark.parametrize("name", list(GUARANTEED))
+def test_guaranteed_calls_stream_their_arguments_as_they_are_generated(name):
+    """With the call grammar enforced, the text is calls by construction: a call's id and name go out as
+    soon as its name is complete, then its arguments piece by piece (OpenAI's stream), exactly the
+    model's JSON text; split anywhere, the merged calls are the whole reply's."""
+    for seed, (output, calls) in enumerate(GUARANTEED[name]):
+        content, deltas = run_guaranteed(name, [output])
+        whole = merge_tool_calls(deltas)
+        assert content == ""
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == calls
+        for pieces in splits(output, seed):
+            content, deltas = run_guaranteed(name, pieces)
+            assert content == "" and merge_tool_calls(deltas) == whole, pieces
+            for i in range(len(whole)):
+                mine = [d for d in deltas if d.index == i]
+                assert mine[0].id and mine[0].name and mine[0].arguments == ""
+                assert all(d.id is None and d.name is None for d in mine[1:])
+        # one character at a time: the last call's arguments arrive in as many pieces as they have characters
+        _, deltas = run_guaranteed(name, list(output))
+        pieces = [d.arguments for d in deltas if d.index == len(whole) - 1 and d.arguments]
+        assert len(pieces) == len(whole[-1].function.arguments)
+
+
+def test_a_guaranteed_call_cut_by_max_tokens_keeps_what_was_streamed():
+    content, deltas = run_guaranteed("hermes", ['<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eu'])
+    [call] = merge_tool_calls(deltas)
+    assert content == "" and call.function.name == "get_time" and call.function.arguments == '{"tz": "Eu'
+
+
+def test_which_requests_stream_arguments():
+    assert reply_parser(chat_request(tools=TOOLS), tool_parser="hermes", reasoning_parser=None).tools.guaranteed \
+        is False
+    named = ToolChoice(function=ToolChoiceFunction(name="get_time"))
+    for choice in ("required", named):
+        req = chat_request(tools=TOOLS, tool_choice=choice)
+        assert reply_parser(req, tool_parser="hermes", reasoning_parser=None).tools.guaranteed is True

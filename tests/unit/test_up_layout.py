@@ -104,6 +104,26 @@ def test_decode_workers_sharing_cores_prefill_short_remainders_themselves():
     assert argv[len(argv) - 1 - argv[::-1].index("--local-prefill-tokens") + 1] == "0"
 
 
+def test_the_router_draws_the_line_where_the_decode_workers_do():
+    """A decode worker keeps prompts whose uncached part is at most its --local-prefill-tokens; the router
+    gets --min-disagg-tokens one above it, so it predicts (and counts the load of) the prefill where it
+    happens: before, it sent such a prompt to the prefill worker, predicted that worker's (empty) cache,
+    and the decode worker kept it anyway."""
+    from services.up.placement import SHARED_CORES_LOCAL_PREFILL
+
+    def router_min_disagg(**kw):
+        _, children = plan(_plan_args(**kw), "nats://127.0.0.1:4222", "/models/x")
+        argv = next(c.argv for c in children if c.name == "router-0")
+        return argv[argv.index("--min-disagg-tokens") + 1] if "--min-disagg-tokens" in argv else None
+
+    for sharing in ("lease", "share"):
+        assert router_min_disagg(core_sharing=sharing) == str(SHARED_CORES_LOCAL_PREFILL + 1)
+    assert router_min_disagg(core_sharing="split") is None  # the router's own default
+    assert router_min_disagg(engine_args="--local-prefill-tokens 0") is None
+    assert router_min_disagg(engine_args="--max-queue 4 --local-prefill-tokens=300") == "301"
+    assert router_min_disagg(core_sharing="split", engine_args="--local-prefill-tokens 64") == "65"
+
+
 def test_speculation_defaults_to_ngram_for_greedy_requests_on_decoding_engines():
     def flags(**kw):
         _, children = plan(_plan_args(num_speculative_tokens=4, draft_model=None, **kw), "nats://127.0.0.1:4222",

@@ -4,16 +4,22 @@ Contract: ``feed(text)`` for each new piece of the model's text, ``finish()`` on
 returns a :class:`Parsed` (new content, and tool-call deltas). Whatever the pieces, the content joined
 and the calls merged are the same as for the whole text fed at once: decisions depend only on the
 text, never on where a piece ends (tests/unit/test_tool_parsers.py feeds every output split at every
-character). A call is sent only once its JSON is complete and valid, so text that merely looks like a
-call (broken JSON, no name) stays content: first a delta with the call's id and name, then one with
-its arguments (JSON text). NOTE: arguments are not streamed token by token: unconstrained output may
-turn out not to be a call after all, and a stream cannot take back what it sent.
+character). Each call goes out as OpenAI streams it: first a delta with its id and name, then its
+arguments (JSON text).
+
+Unconstrained output (``tool_choice`` ``auto``): a call is sent only once its JSON is complete and
+valid, so text that merely looks like a call (broken JSON, no name) stays content; its arguments come
+in one delta, since a stream cannot take back what it sent. Output the call grammar enforces
+(``guaranteed``: ``tool_choice`` ``required`` or a named function) is calls by construction: a call's
+id and name go out as soon as its name is complete and its arguments piece by piece as the model
+writes them (:class:`LiveCall`), exactly the model's JSON text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -76,10 +82,13 @@ class ToolParser:
     name = ""
 
     def __init__(self, tools: list[Tool] | None = None, *, parallel: bool = True,
-                 new_id: Callable[[], str] = new_call_id):
+                 new_id: Callable[[], str] = new_call_id, guaranteed: bool = False):
         self.tool_names = {t.function.name for t in tools or ()}
         self.parallel = parallel
         """False: only the first call counts (OpenAI's parallel_tool_calls=false); later ones are dropped."""
+        self.guaranteed = guaranteed
+        """The call grammar constrains the output: calls stream their arguments (:meth:`_live_call`)."""
+        self._live: LiveCall | None = None
         self.new_id = new_id
         self.buffer = ""
         self.num_calls = 0
@@ -131,6 +140,37 @@ class ToolParser:
         self._out.calls += [ToolCallDelta(index=index, id=self.new_id(), name=name, arguments=""),
                             ToolCallDelta(index=index, arguments=json.dumps(arguments, ensure_ascii=False))]
 
+    def _live_call(self, text: str, *, complete: bool) -> None:
+        """Guaranteed output: ``text`` is the JSON of the call being written, so far (``complete``: all
+        of it). Its id and name go out once the name is complete, then each new piece of its arguments.
+        A call whose JSON does not open with its name (the grammar allows the keys in any order) is sent
+        whole once complete."""
+        live = self._live
+        if live is None:
+            live = self._live = LiveCall()
+        if live.index is None:
+            head = _CALL_HEAD.match(text)
+            if head is None or not text[head.end():].lstrip().startswith("{"):
+                if complete:
+                    self._live = None
+                    call = parse_call(text)
+                    self._call(*call) if call else self._content(text)
+                return
+            self._held_space, self._after_call = "", True
+            if self.num_calls and not self.parallel:
+                live.index = -1  # dropped, as _call drops it
+            else:
+                live.index = self.num_calls
+                self.num_calls += 1
+                self._out.calls.append(ToolCallDelta(index=live.index, id=self.new_id(),
+                                                     name=json.loads(f'"{head.group(1)}"'), arguments=""))
+            live.start = live.sent = head.end()
+        piece = live.arguments(text)
+        if piece and live.index >= 0:
+            self._out.calls.append(ToolCallDelta(index=live.index, arguments=piece))
+        if complete:
+            self._live = None
+
     def _take(self) -> Parsed:
         out, self._out = self._out, Parsed()
         return out
@@ -141,6 +181,49 @@ class ToolParser:
         """A Lark grammar (llguidance's dialect) whose sentences are calls in this format to ``tools``
         with arguments valid for each tool's schema: tool_choice ``required`` or a named function."""
         raise NotImplementedError(f"{cls.__name__} has no call grammar")
+
+
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+"""The opening of a call object whose name comes first: ``{"name": "f", "arguments": `` (or ``parameters``)."""
+
+
+class LiveCall:
+    """The call being written (guaranteed output): where its arguments object starts, how much of it was
+    sent, and a scan for where it closes (strings and escapes followed, each character read once)."""
+
+    def __init__(self):
+        self.index: int | None = None
+        """The call's index once its name went out (-1: a second call parallel_tool_calls=false drops)."""
+        self.start = self.sent = 0
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._end: int | None = None
+
+    def arguments(self, text: str) -> str:
+        """The arguments' text in ``text`` (the call so far) not sent yet: up to the object's closing
+        brace once seen (what follows it is the call's own closing)."""
+        for i in range(self.sent, len(text)):
+            if self._end is not None:
+                break
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = i + 1
+        stop = self._end if self._end is not None else len(text)
+        piece, self.sent = text[self.sent:stop], max(self.sent, stop)
+        return piece
 
 
 def call_schema(tools: list[Tool], *, arguments_key: str) -> dict[str, Any]:

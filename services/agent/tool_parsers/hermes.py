@@ -46,13 +46,19 @@ class HermesToolParser(ToolParser):
             end = self.buffer.find(CLOSE, self._searched)
             if end < 0:
                 self._searched = max(len(OPEN), len(self.buffer) - len(CLOSE) + 1)
-                if final:
+                if self.guaranteed:
+                    self._live_call(self.buffer[len(OPEN):], complete=final)
+                elif final:
                     call = parse_call(self.buffer[len(OPEN):])
                     self._call(*call) if call else self._content(self.buffer)
+                if final:
                     self.buffer = ""
                 return
             block, self.buffer = self.buffer[:end + len(CLOSE)], self.buffer[end + len(CLOSE):]
             self._in_call = False
+            if self.guaranteed:
+                self._live_call(block[len(OPEN):end], complete=True)
+                continue
             call = parse_call(block[len(OPEN):end])
             self._call(*call) if call else self._content(block)
 

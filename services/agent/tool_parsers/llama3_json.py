@@ -64,9 +64,16 @@ class Llama3JsonToolParser(ToolParser):
                 self.buffer, self._scan = rest, _ObjectEnd()
             end = self._scan.feed(self.buffer)
             if end is None:
-                if final:
+                if self.guaranteed:
+                    self._live_call(self.buffer, complete=final)
+                    self.buffer = "" if final else self.buffer
+                elif final:
                     self._give_up(self.buffer)
                 return
+            if self.guaranteed:
+                self._live_call(self.buffer[:end], complete=True)
+                self.buffer, self._scan = self.buffer[end:], _ObjectEnd()
+                continue
             call = parse_call(self.buffer[:end])
             if call is None:
                 self._give_up(self.buffer)
