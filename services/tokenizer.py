@@ -69,12 +69,11 @@ class TokenizerCore:
     def __init__(self, model_dir: Path, *, chat_template: str | None = None):
         """``chat_template``: Jinja source that replaces the model's (e.g. one that renders tools)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
         from services.engine.model_config import ModelConfig
+        from services.models.tokenizer_files import load_tokenizer
 
         self.model_dir = Path(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         if not getattr(self.tokenizer, "is_fast", False):

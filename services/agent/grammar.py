@@ -187,12 +187,11 @@ class GrammarCompiler:
 
     @classmethod
     def for_model(cls, model_dir: str | Path, **kwargs) -> GrammarCompiler:
-        from transformers import AutoTokenizer
-
         from services.engine.model_config import ModelConfig
+        from services.models.tokenizer_files import load_tokenizer
 
         config = ModelConfig.from_dir(Path(model_dir))
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = load_tokenizer(model_dir)
         return cls.from_hf(tokenizer, vocab_size=max(config.vocab_size, len(tokenizer)),
                            eos_token_ids=list(config.eos_token_ids), **kwargs)
 

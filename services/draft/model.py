@@ -46,9 +46,9 @@ def _vocab_fingerprint(model_dir: Path) -> tuple:
         vocab = model.get("vocab")
         added = sorted((a["id"], a["content"]) for a in tok.get("added_tokens", []))
         return config.get("vocab_size"), json.dumps(vocab, sort_keys=True), json.dumps(model.get("merges")), added
-    from transformers import AutoTokenizer
+    from services.models.tokenizer_files import load_tokenizer
 
-    t = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    t = load_tokenizer(model_dir)
     return config.get("vocab_size"), sorted(t.get_vocab().items())
 
 

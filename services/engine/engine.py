@@ -140,9 +140,9 @@ class LLMEngine:
         )
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from services.models.tokenizer_files import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        return load_tokenizer(self.model_dir)
 
     def _make_drafter(self):
         from services.draft.base import DRAFTERS

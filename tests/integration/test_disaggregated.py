@@ -92,10 +92,12 @@ def assert_same_greedy_tokens(reference, outputs, label: str) -> None:
     assert num_whole >= len(outputs) - 2, f"{label}: only {num_whole}/{len(outputs)} prompts match whole"
 
 
-async def run_requests(nats_url: str, prompts: list[list[int]], *, stream: bool) -> list[list[int]]:
+async def run_both(nats_url: str, prompts: list[list[int]], streams=(True, False)) -> list[list[list[int]]]:
+    """Every prompt once per entry of ``streams`` (streamed on kvbus.v1.generate, or whole on its once
+    subject), all at once: one list of outputs per entry."""
     bus = await connect(BusConfig(nats_url=nats_url, request_timeout=120))
 
-    async def one(ids: list[int]) -> list[int]:
+    async def one(ids: list[int], stream: bool) -> list[int]:
         req = GenerateRequest(prompt_token_ids=ids, sampling=GREEDY, stream_interval=3)
         if not stream:
             return (await bus.request(GENERATE_ONCE, req)).token_ids
@@ -106,7 +108,8 @@ async def run_requests(nats_url: str, prompts: list[list[int]], *, stream: bool)
         return out
 
     try:
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        outs = await asyncio.gather(*(one(p, stream) for stream in streams for p in prompts))
+        return [list(outs[i * len(prompts):(i + 1) * len(prompts)]) for i in range(len(streams))]
     finally:
         await bus.close()
 
@@ -152,8 +155,8 @@ SETUPS = {
 def test_greedy_outputs_match_the_in_process_engine(setup, model_dir, prompts, reference):
     with Cluster(*SETUPS[setup], model_dir=model_dir) as cluster:
         try:
-            streamed = asyncio.run(run_requests(cluster.nats_url, prompts, stream=True))
-            once = asyncio.run(run_requests(cluster.nats_url, prompts, stream=False))
+            # both passes at once (40 requests in flight): the same prompts streamed and whole
+            streamed, once = asyncio.run(run_both(cluster.nats_url, prompts))
             assert_same_greedy_tokens(reference, streamed, f"{setup} streamed")
             assert_same_greedy_tokens(reference, once, f"{setup} once")
             if setup == "aggregated":
