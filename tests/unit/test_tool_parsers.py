@@ -291,6 +291,11 @@ def test_a_guaranteed_call_cut_by_max_tokens_keeps_what_was_streamed():
     content, deltas = run_guaranteed("hermes", ['<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eu'])
     [call] = merge_tool_calls(deltas)
     assert content == "" and call.function.name == "get_time" and call.function.arguments == '{"tz": "Eu'
+    # cut before its name was complete: no call, the text stays content, as with tool_choice auto
+    for name, cut in [("hermes", '<tool_call>\n{"name": "get_ti'), ("llama3_json", '{"name": "get_ti')]:
+        content, deltas = run_guaranteed(name, [cut])
+        assert (content, deltas) == (cut, []), name
+        assert run_tools(name, [cut])[:2] == (cut, [])
 
 
 def test_which_requests_stream_arguments():

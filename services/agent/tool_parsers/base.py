@@ -140,11 +140,12 @@ class ToolParser:
         self._out.calls += [ToolCallDelta(index=index, id=self.new_id(), name=name, arguments=""),
                             ToolCallDelta(index=index, arguments=json.dumps(arguments, ensure_ascii=False))]
 
-    def _live_call(self, text: str, *, complete: bool) -> None:
+    def _live_call(self, text: str, *, complete: bool, block: str | None = None) -> None:
         """Guaranteed output: ``text`` is the JSON of the call being written, so far (``complete``: all
         of it). Its id and name go out once the name is complete, then each new piece of its arguments.
         A call whose JSON does not open with its name (the grammar allows the keys in any order) is sent
-        whole once complete."""
+        whole once complete; one that is no call even then (cut before its name) is content: ``block``,
+        the format's whole text of it (its tags too), else ``text``."""
         live = self._live
         if live is None:
             live = self._live = LiveCall()
@@ -154,7 +155,7 @@ class ToolParser:
                 if complete:
                     self._live = None
                     call = parse_call(text)
-                    self._call(*call) if call else self._content(text)
+                    self._call(*call) if call else self._content(text if block is None else block)
                 return
             self._held_space, self._after_call = "", True
             if self.num_calls and not self.parallel:

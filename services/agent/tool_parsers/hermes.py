@@ -47,7 +47,7 @@ class HermesToolParser(ToolParser):
             if end < 0:
                 self._searched = max(len(OPEN), len(self.buffer) - len(CLOSE) + 1)
                 if self.guaranteed:
-                    self._live_call(self.buffer[len(OPEN):], complete=final)
+                    self._live_call(self.buffer[len(OPEN):], complete=final, block=self.buffer)
                 elif final:
                     call = parse_call(self.buffer[len(OPEN):])
                     self._call(*call) if call else self._content(self.buffer)
