@@ -178,12 +178,22 @@ class UpConfig:
         unless --engine-args names one), once, so every engine gets the same and kvbus up can say it."""
         from services.engine.dtypes import resolve_dtype
 
-        args = shlex.split(self.engine_args)
-        device = args[args.index("--device") + 1] if "--device" in args[:-1] else "cpu"
-        dtype, why = resolve_dtype(self.dtype, device)
-        if "--dtype" in args:
+        dtype, why = resolve_dtype(self.dtype, self.engine_arg("--device") or "cpu")
+        if self.engine_arg("--dtype") is not None:
             why += "; --engine-args sets its own --dtype, which wins"
         return dtype, why
+
+    def engine_arg(self, flag: str) -> str | None:
+        """The value ``--engine-args`` gives ``flag`` (``--flag V`` or ``--flag=V``; the last one, as the
+        engine's argparse reads it), or None when it names none."""
+        args = shlex.split(self.engine_args)
+        value = None
+        for i, arg in enumerate(args):
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:]
+        return value
 
     @property
     def requested_core_sharing(self) -> str:

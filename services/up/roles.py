@@ -108,18 +108,18 @@ def router_flags(context: LaunchContext, wid: str) -> list[str]:
 
 
 def decode_local_prefill_tokens(context: LaunchContext) -> int:
-    """The uncached prompt tokens a decode worker prefills itself (0: none): kvbus up's default where
-    the engines share cores, or ``--local-prefill-tokens`` in --engine-args (the last one, as argparse
-    reads it)."""
-    is_sharing_cores = context.core_sharing in ("lease", "share")
-    local = SHARED_CORES_LOCAL_PREFILL if is_sharing_cores else 0
-    args = shlex.split(context.config.engine_args)
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--local-prefill-tokens" and i + 1 < len(args) else \
-            arg.partition("=")[2] if arg.startswith("--local-prefill-tokens=") else None
-        if value is not None and value.isdigit():  # (anything else: the worker refuses it, clearly)
-            local = int(value)
-    return local
+    """The uncached prompt tokens a decode worker prefills itself (0: none): ``--local-prefill-tokens``
+    in --engine-args, else kvbus up's default (:func:`_default_local_prefill`)."""
+    value = context.config.engine_arg("--local-prefill-tokens")
+    if value is not None and value.isdigit():  # (anything else: the worker refuses it, clearly)
+        return int(value)
+    return _default_local_prefill(context) or 0
+
+
+def _default_local_prefill(context: LaunchContext) -> int | None:
+    """kvbus up's --local-prefill-tokens for decode workers: SHARED_CORES_LOCAL_PREFILL where the engines
+    share cores, else none (the worker's own default)."""
+    return SHARED_CORES_LOCAL_PREFILL if context.core_sharing in ("lease", "share") else None
 
 
 def gateway_flags(context: LaunchContext, wid: str) -> list[str]:
@@ -194,8 +194,7 @@ def prefill_flags(context: LaunchContext, wid: str) -> list[str]:
 
 def decode_flags(context: LaunchContext, wid: str) -> list[str]:
     config = context.config
-    is_sharing_cores = context.core_sharing in ("lease", "share")
-    local = _option("--local-prefill-tokens", SHARED_CORES_LOCAL_PREFILL if is_sharing_cores else None)
+    local = _option("--local-prefill-tokens", _default_local_prefill(context))
     return [*_engine_flags(context, wid, *local), *_transfer_flags(config), *_speculation_flags(config),
             *_hicache_flags(config)]
 

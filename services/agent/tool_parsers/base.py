@@ -132,13 +132,20 @@ class ToolParser:
         self._held_space += text[len(body):]
 
     def _call(self, name: str, arguments: dict[str, Any]) -> None:
+        index = self._open_call(name)
+        if index is not None:
+            self._out.calls.append(ToolCallDelta(index=index, arguments=json.dumps(arguments, ensure_ascii=False)))
+
+    def _open_call(self, name: str) -> int | None:
+        """A call named ``name`` starts: its first delta (id and name) goes out; its index, or None when
+        parallel_tool_calls=false drops it (a call came before)."""
         self._held_space, self._after_call = "", True
         if self.num_calls and not self.parallel:
-            return
+            return None
         index = self.num_calls
         self.num_calls += 1
-        self._out.calls += [ToolCallDelta(index=index, id=self.new_id(), name=name, arguments=""),
-                            ToolCallDelta(index=index, arguments=json.dumps(arguments, ensure_ascii=False))]
+        self._out.calls.append(ToolCallDelta(index=index, id=self.new_id(), name=name, arguments=""))
+        return index
 
     def _live_call(self, text: str, *, complete: bool, block: str | None = None) -> None:
         """Guaranteed output: ``text`` is the JSON of the call being written, so far (``complete``: all
@@ -148,26 +155,15 @@ class ToolParser:
         the format's whole text of it (its tags too), else ``text``."""
         live = self._live
         if live is None:
-            live = self._live = LiveCall()
-        if live.index is None:
             head = _CALL_HEAD.match(text)
             if head is None or not text[head.end():].lstrip().startswith("{"):
                 if complete:
-                    self._live = None
                     call = parse_call(text)
                     self._call(*call) if call else self._content(text if block is None else block)
                 return
-            self._held_space, self._after_call = "", True
-            if self.num_calls and not self.parallel:
-                live.index = -1  # dropped, as _call drops it
-            else:
-                live.index = self.num_calls
-                self.num_calls += 1
-                self._out.calls.append(ToolCallDelta(index=live.index, id=self.new_id(),
-                                                     name=json.loads(f'"{head.group(1)}"'), arguments=""))
-            live.start = live.sent = head.end()
+            live = self._live = LiveCall(self._open_call(json.loads(f'"{head.group(1)}"')), head.end())
         piece = live.arguments(text)
-        if piece and live.index >= 0:
+        if piece and live.index is not None:
             self._out.calls.append(ToolCallDelta(index=live.index, arguments=piece))
         if complete:
             self._live = None
@@ -189,42 +185,58 @@ _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arg
 
 
 class LiveCall:
-    """The call being written (guaranteed output): where its arguments object starts, how much of it was
-    sent, and a scan for where it closes (strings and escapes followed, each character read once)."""
+    """The call being written (guaranteed output): its index (None: dropped, parallel_tool_calls=false),
+    where its arguments object starts in the call's text, how much of it was sent, and where it ends."""
 
-    def __init__(self):
-        self.index: int | None = None
-        """The call's index once its name went out (-1: a second call parallel_tool_calls=false drops)."""
-        self.start = self.sent = 0
-        self._depth = 0
-        self._in_string = self._escaped = False
+    def __init__(self, index: int | None, start: int):
+        self.index = index
+        self.start = self.sent = start
+        self._scan = ObjectEnd()
         self._end: int | None = None
 
     def arguments(self, text: str) -> str:
         """The arguments' text in ``text`` (the call so far) not sent yet: up to the object's closing
         brace once seen (what follows it is the call's own closing)."""
-        for i in range(self.sent, len(text)):
-            if self._end is not None:
-                break
-            ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._end = i + 1
-        stop = self._end if self._end is not None else len(text)
+        if self._end is None:
+            end = self._scan.feed(text[self.start:])
+            self._end = None if end is None else self.start + end
+        stop = len(text) if self._end is None else self._end
         piece, self.sent = text[self.sent:stop], max(self.sent, stop)
         return piece
+
+
+class ObjectEnd:
+    """Finds where a JSON object that starts a text ends, reading each character once across feeds."""
+
+    def __init__(self):
+        self.pos = 0
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """Index just past the object's closing brace in ``text`` (which only grew since the last
+        call), or None while it is still open."""
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 def call_schema(tools: list[Tool], *, arguments_key: str) -> dict[str, Any]:

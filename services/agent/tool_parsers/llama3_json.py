@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from schemas.tokenizer import Tool
-from services.agent.tool_parsers.base import ToolParser, call_schema, parse_call
+from services.agent.tool_parsers.base import ObjectEnd, ToolParser, call_schema, parse_call
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -23,7 +23,7 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._mode = "start"  # start -> calls -> content
-        self._scan = _ObjectEnd()
+        self._scan = ObjectEnd()
         self._raw = ""
         """Every piece fed while no call is made yet: the content if the first object is no call."""
 
@@ -61,7 +61,7 @@ class Llama3JsonToolParser(ToolParser):
                 self._give_up(rest)
                 return
             if len(rest) != len(self.buffer):  # a new object starts here
-                self.buffer, self._scan = rest, _ObjectEnd()
+                self.buffer, self._scan = rest, ObjectEnd()
             end = self._scan.feed(self.buffer)
             if end is None:
                 if self.guaranteed:
@@ -72,14 +72,14 @@ class Llama3JsonToolParser(ToolParser):
                 return
             if self.guaranteed:
                 self._live_call(self.buffer[:end], complete=True)
-                self.buffer, self._scan = self.buffer[end:], _ObjectEnd()
+                self.buffer, self._scan = self.buffer[end:], ObjectEnd()
                 continue
             call = parse_call(self.buffer[:end])
             if call is None:
                 self._give_up(self.buffer)
                 return
             self._call(*call)
-            self.buffer, self._scan = self.buffer[end:], _ObjectEnd()
+            self.buffer, self._scan = self.buffer[end:], ObjectEnd()
 
     def _give_up(self, rest: str) -> None:
         """Not (or no more) calls: the rest is content; with no call made, the whole reply is."""
@@ -91,37 +91,3 @@ class Llama3JsonToolParser(ToolParser):
         schema = json.dumps(call_schema(tools, arguments_key="parameters"))
         repeat = ' ("; " call)*' if parallel else ""
         return f"start: call{repeat}\ncall: %json {schema}\n"
-
-
-class _ObjectEnd:
-    """Finds where a JSON object that starts a text ends, reading each character once across feeds."""
-
-    def __init__(self):
-        self.pos = 0
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-
-    def feed(self, text: str) -> int | None:
-        """Index just past the object's closing brace in ``text`` (which only grew since the last
-        call), or None while it is still open."""
-        for i in range(self.pos, len(text)):
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.pos = i + 1
-                    return i + 1
-        self.pos = len(text)
-        return None
