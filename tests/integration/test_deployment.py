@@ -97,7 +97,9 @@ def chat_tiny_model(tmp_path_factory, model_dir) -> Path:
 @pytest.fixture(scope="module")
 def system(nodes, chat_tiny_model, tmp_path_factory):
     scrape_config = tmp_path_factory.mktemp("prometheus") / "kvbus-prometheus.yml"
-    with LocalSystem("--prefill", "1", "--decode", "1", "--hicache", "--num-threads", "1",
+    # float32: the migrated stream must repeat the undisturbed one's greedy text token for token, which a
+    # recompute in another batch keeps in float32 but not in bfloat16 (dtype auto on some CPUs)
+    with LocalSystem("--prefill", "1", "--decode", "1", "--hicache", "--num-threads", "1", "--dtype", "float32",
                      "--kv-cache-memory", "0.05", "--nats-url", ",".join(node.url for node in nodes),
                      "--prometheus-config", str(scrape_config), "--engine-args", "--heartbeat-interval 0.5",
                      model_dir=chat_tiny_model) as system:

@@ -70,8 +70,10 @@ def scrape(url: str) -> dict[str, float]:
 def test_l2_hits_through_kvbus_up(model_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 20000) for _ in range(200)] for _ in range(4)]  # 12 full pages each
-    # 0.03 GB: about 40 pages of SmolLM2's 16 tokens; 4 prompts of 13 pages do not fit.
-    with LocalSystem("--aggregated", "--hicache", "--kv-cache-memory", "0.03", model_dir=model_dir) as system:
+    # 0.03 GB: about 40 pages of SmolLM2's 16 tokens in float32 (twice as many in bfloat16, dtype auto on
+    # some CPUs); 4 prompts of 13 pages do not fit.
+    with LocalSystem("--aggregated", "--hicache", "--kv-cache-memory", "0.03", "--dtype", "float32",
+                     model_dir=model_dir) as system:
         try:
             url = system.nats_url
             asyncio.run(wait_detail(url, "worker", "worker-0", lambda d: d.get("hicache_attached") == "1"))

@@ -41,6 +41,7 @@ def page_gb(tiny_model):
 
 def make_engine(tiny_model, page_gb, hooks=None, **kw) -> LLMEngine:
     kw.setdefault("max_running_requests", 2)
+    kw.setdefault("dtype", "float32")  # the pool is sized in float32 pages (dtype auto: bfloat16 on some CPUs)
     cfg = EngineConfig(model=str(tiny_model), kv_cache_memory=page_gb * NUM_PAGES * 1.001, page_size=PAGE,
                        load_tokenizer=False, **kw)
     return build_engine(cfg, tier_hooks=hooks)
