@@ -173,8 +173,8 @@ def workload_bench(args) -> list[dict]:
             env = {"KVBUS_POLICY": policy, "KVBUS_SEED": str(args.seed)}
             if policy != "kv" and not args.baseline_affinity:
                 env["KVBUS_SESSION_TTL"] = "0"
-            with LocalSystem(*LAYOUTS[layout], "--speculative", "off", "--kv-cache-memory",
-                             str(args.kv_cache_memory), env=env) as system:
+            with LocalSystem(*LAYOUTS[layout], "--speculative", "off", "--dtype", args.dtype,
+                             "--kv-cache-memory", str(args.kv_cache_memory), env=env) as system:
                 row = asyncio.run(conversations(system.nats_url, args))
             row.update(layout=layout, policy=policy)
             print(json.dumps(row), flush=True)
@@ -221,6 +221,9 @@ def main() -> None:
     w.add_argument("--answer-tokens", type=int, default=32)
     w.add_argument("--kv-cache-memory", type=float, default=0.35,
                    help="GB of KV pool per worker: too small to hold every session on one worker")
+    w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                   help="the engines' dtype (default float32: a bfloat16 pool holds twice the tokens, so kvbus "
+                        "up's 'auto', bfloat16 on a CPU with avx512_bf16 or AMX, would take the pool pressure away)")
     w.add_argument("--baseline-affinity", action="store_true", help="keep session affinity on for the baselines")
     w.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
