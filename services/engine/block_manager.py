@@ -21,8 +21,9 @@ if the pool runs dry before that does eviction wait for a copy.
 
 Collaborators, each in its own module: :class:`~services.engine.load_back.LoadBack` takes
 pages a lower tier holds at admission (on the spot, or asynchronously while the engine keeps
-stepping), and :class:`~services.engine.tails.TailReuse` reuses the first rows of a partial page
-(token-granular prefix caching). The block manager never touches a KV tensor: the row copies
+stepping), :class:`~services.engine.tails.TailReuse` reuses the first rows of a partial page
+(token-granular prefix caching), and :class:`~services.engine.held_pages.HeldPages` keeps the
+cached prefixes of waiting requests until every page nobody waits for is evicted. The block manager never touches a KV tensor: the row copies
 tails need go through the ``copy_rows`` the engine hands it, and the tier hooks get the pool from
 the engine (``hooks.bind``).
 """
@@ -33,6 +34,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+from services.engine.held_pages import HeldPages
 from services.engine.load_back import ASYNC_LOAD_MIN_PAGES, LOAD_TIMEOUT_S, LoadBack
 from services.engine.page_hash import hash_page, root_hash
 from services.engine.sequence import Sequence
@@ -49,7 +51,7 @@ L1_ONLY, COPYING, CLEAN = 0, 1, 2
 
 
 class Page:
-    __slots__ = ("page_id", "ref_count", "page_hash", "token_ids", "parent_hash", "tier_state")
+    __slots__ = ("page_id", "ref_count", "page_hash", "token_ids", "parent_hash", "tier_state", "hold_count")
 
     def __init__(self, page_id: int):
         self.page_id = page_id
@@ -58,6 +60,7 @@ class Page:
         self.token_ids: tuple[int, ...] = ()
         self.parent_hash = 0
         self.tier_state = L1_ONLY
+        self.hold_count = 0  # waiting sequences that hold it (held_pages.py)
 
 
 def _delegate(collaborator: str, name: str, *, settable: bool = True) -> property:
@@ -83,6 +86,7 @@ class BlockManager:
         hooks: CacheTierHooks | list[CacheTierHooks] | None = None,
         write_back_window: int | None = None,
         reuse_tails: bool = True,
+        hold_waiting: bool = True,
         copy_rows: CopyRows | None = None,
         async_load_min_pages: int = ASYNC_LOAD_MIN_PAGES,
         load_timeout: float = LOAD_TIMEOUT_S,
@@ -105,18 +109,19 @@ class BlockManager:
         self.num_copying = 0
         self.loads = LoadBack(self, min_async_pages=async_load_min_pages, timeout=load_timeout, clock=clock)
         self.tails = TailReuse(self, copy_rows, enabled=enable_prefix_caching and reuse_tails)
+        self.holds = HeldPages(self, enabled=enable_prefix_caching and hold_waiting)
 
     # ---- counts ----------------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        """Pages that can be handed out now (free plus evictable cached)."""
-        return len(self.free_page_ids) + len(self.cached_page_ids)
+        """Pages that can be handed out now (free plus evictable cached, held ones included)."""
+        return len(self.free_page_ids) + len(self.cached_page_ids) + len(self.holds.held)
 
     @property
     def num_reusable_pages(self) -> int:
         """Pages that can be handed out without waiting for a copy-out to land."""
-        return len(self.free_page_ids) + sum(1 for p in self.cached_page_ids if self.pages[p].tier_state != COPYING)
+        return len(self.free_page_ids) + sum(1 for p in self._evictable() if self.pages[p].tier_state != COPYING)
 
     @property
     def num_used_pages(self) -> int:
@@ -124,7 +129,12 @@ class BlockManager:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self.cached_page_ids)
+        """Indexed pages nobody owns (held by waiting sequences or not)."""
+        return len(self.cached_page_ids) + len(self.holds.held)
+
+    @property
+    def num_held_pages(self) -> int:
+        return len(self.holds.held)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -200,6 +210,21 @@ class BlockManager:
         """Full pages of ``seq``'s prefix the cache holds now (extends ``seq.page_hashes``)."""
         return len(self._match(seq))
 
+    def matched_page_ids(self, seq: Sequence) -> list[int]:
+        """Page ids of ``seq``'s cached prefix (no references taken)."""
+        return self._match(seq)
+
+    # ---- the waiting queue ------------------------------------------------
+
+    def hold(self, seq: Sequence, *, first: bool = False) -> None:
+        """``seq`` waits to be admitted: keep its cached prefix past other cached pages (held_pages.py)."""
+        self.holds.hold(seq, first=first)
+
+    def release_held(self, seq: Sequence) -> None:
+        """``seq`` stopped waiting without being admitted (aborted)."""
+        if seq.held_pages:
+            self.holds.release(seq)
+
     # ---- admission -------------------------------------------------------
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
@@ -226,6 +251,8 @@ class BlockManager:
                 self._start_copy(page)
         seq.page_ids = list(matched)
         seq.num_indexed_pages = len(matched)
+        if seq.held_pages:
+            self.holds.release(seq)  # (after the references: its matched pages stay out of the LRU list)
         loaded = self.loads.load(seq, may_wait)
         while len(seq.page_ids) < self.pages_for(seq.num_tokens):
             seq.page_ids.append(self.take_free_page())
@@ -317,8 +344,8 @@ class BlockManager:
 
     def evict_all_cached(self) -> int:
         """Drop every unreferenced cached page (for tests and cache resets)."""
-        count = len(self.cached_page_ids)
-        while self.cached_page_ids:
+        count = self.num_cached_pages
+        while self.cached_page_ids or self.holds.held:
             self.free_page_ids.append(self._evict_one())
         return count
 
@@ -331,7 +358,7 @@ class BlockManager:
         self._reclaim(self.hooks.poll_written())
         if self.write_back_window <= 0:
             return
-        for n, page_id in enumerate(self.cached_page_ids):
+        for n, page_id in enumerate(self._evictable()):
             if n >= self.write_back_window:
                 break
             page = self.pages[page_id]
@@ -363,11 +390,23 @@ class BlockManager:
 
     # ---- references and eviction -------------------------------------------
 
+    def _evictable(self):
+        """Unowned cached pages in eviction order: the LRU list, then the held pages."""
+        yield from self.cached_page_ids
+        yield from self.holds.eviction_order()
+
     def _ref(self, page_id: int) -> None:
         page = self.pages[page_id]
         if page.ref_count == 0:
-            del self.cached_page_ids[page_id]
+            self._uncache(page_id)
         page.ref_count += 1
+
+    def _uncache(self, page_id: int) -> None:
+        """Take an unowned cached page out of the LRU list or the held pages, wherever it is."""
+        if page_id in self.cached_page_ids:
+            del self.cached_page_ids[page_id]
+        else:
+            del self.holds.held[page_id]
 
     def unref(self, page_id: int) -> None:
         """Drop one reference; the last one frees the page, or caches it when it is indexed."""
@@ -377,7 +416,8 @@ class BlockManager:
             return
         assert page.ref_count == 0, f"page {page_id} released twice"
         if page.page_hash is not None:
-            self.cached_page_ids[page_id] = None
+            if not self.holds.keeps(page):
+                self.cached_page_ids[page_id] = None
         else:
             self.free_page_ids.append(page_id)
 
@@ -388,14 +428,15 @@ class BlockManager:
         return page_id
 
     def _evict_one(self) -> int:
-        if not self.cached_page_ids:
+        if not self.cached_page_ids and not self.holds.held:
             raise RuntimeError("KV pool exhausted (the scheduler should have checked)")
-        page_id = next((p for p in self.cached_page_ids if self.pages[p].tier_state != COPYING), None)
+        page_id = next((p for p in self._evictable() if self.pages[p].tier_state != COPYING), None)
         while page_id is None:  # every evictable page is being copied out: wait for one copy
             self._reclaim(self.hooks.wait_written(1.0))
-            page_id = next((p for p in self.cached_page_ids if self.pages[p].tier_state != COPYING), None)
-        del self.cached_page_ids[page_id]
+            page_id = next((p for p in self._evictable() if self.pages[p].tier_state != COPYING), None)
+        self._uncache(page_id)
         page = self.pages[page_id]
+        self.holds.evicted(page)
         h = page.page_hash
         assert h is not None
         if page.tier_state == L1_ONLY and self.hooks.wants_write_back(h):

@@ -17,6 +17,10 @@ Policy, each step:
    those behind it may go ahead (see ``_waits_for_pending``).
 3. With mixed batches off, a step that has prefill work runs only prefill.
 
+Waiting sequences hold their cached prefixes (``BlockManager.hold``, held_pages.py): the pool
+evicts every cached page nobody waits for before them, so a queue longer than the pool holds keeps
+the prefixes of the requests that run next instead of losing each one just before its turn.
+
 Priority (vLLM's priority policy; ``SamplingParams.priority``, lower first): waiting sequences are
 kept in (priority, arrival) order, a preempted one going back first among its priority. Running
 sequences are never preempted to admit a waiting one; when a step runs out of pages the victim is
@@ -106,6 +110,7 @@ class Scheduler:
         while i > 0 and self.waiting[i - 1].params.priority > seq.params.priority:
             i -= 1
         self.waiting.insert(i, seq)
+        self.bm.hold(seq)  # its cached prefix outlasts pages nobody waits for
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out (finished or aborted) and release its pages."""
@@ -117,6 +122,7 @@ class Scheduler:
             self.bm.free(seq)  # its pages go back once the copy thread is done with them
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+            self.bm.release_held(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
@@ -197,6 +203,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].params.priority < seq.params.priority:
             i += 1
         self.waiting.insert(i, seq)
+        self.bm.hold(seq, first=True)  # it runs again first: its pages go last
         batch.preempted.append(seq)
 
     def _prefill_chunk(self, remaining: int, budget: int, is_first: bool) -> int:

@@ -50,6 +50,7 @@ class Sequence:
         self.num_loaded_tokens = 0  # of the cached prefix at first admission: loaded from a lower tier
         self.num_preemptions = 0
         self.loading_ticket = None  # a lower-tier load into its pages in flight (block_manager.py)
+        self.held_pages: list[tuple[int, int | None]] = []  # (page id, hash) it holds while waiting (held_pages.py)
         self.is_admitted_once = False
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids

@@ -82,6 +82,12 @@ class _WorkerCollector:
                            bm.num_cached_pages)
         yield self._family(c, "kvbus_engine_kv_pages_evicted", "Cached pages evicted from L1 (the KV pool).",
                            bm.num_evictions)
+        yield self._family(g, "kvbus_engine_kv_pages_held",
+                           "Of the cached pages, those waiting requests will reuse (evicted after all others).",
+                           bm.num_held_pages)
+        yield self._family(c, "kvbus_engine_kv_held_pages_evicted",
+                           "Held pages evicted all the same: the pool needed them before their request ran.",
+                           bm.holds.num_evicted)
         # Prefix cache, in prompt tokens of finished requests (the usage's split). Misses are
         # prompt - hits in PromQL: a difference taken here could step back between two engine
         # updates, and a counter must never decrease.

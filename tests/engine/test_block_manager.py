@@ -26,13 +26,19 @@ def run_prefill(bm, seq):
 
 def check_invariants(bm):
     refs = sum(1 for p in bm.pages if p.ref_count > 0)
-    assert refs + len(bm.free_page_ids) + len(bm.cached_page_ids) == bm.num_pages
+    held = bm.holds.held
+    assert refs + len(bm.free_page_ids) + len(bm.cached_page_ids) + len(held) == bm.num_pages
+    assert not set(held) & set(bm.cached_page_ids)
     for h, pid in bm.hash_to_page_id.items():
         assert bm.pages[pid].page_hash == h
     for pid in bm.cached_page_ids:
         assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is not None
+        assert bm.pages[pid].hold_count == 0
+    for pid in held:  # held: unowned, indexed, and some waiting sequence holds it
+        assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is not None
+        assert bm.pages[pid].hold_count > 0
     for pid in bm.free_page_ids:
-        assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is None
+        assert bm.pages[pid].ref_count == 0 and bm.pages[pid].page_hash is None and bm.pages[pid].hold_count == 0
     if bm.reuse_tails:  # every indexed page, and only those, is a partial-match source under its start
         sources = {pid: key for key, d in bm.row_sources.items() for pid in d}
         assert sources == {pid: (bm.pages[pid].parent_hash, bm.pages[pid].token_ids[0])

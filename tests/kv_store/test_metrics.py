@@ -116,6 +116,8 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_engine_kv_pages_total", ())] == int(d["total_pages"])
         assert m[("kvbus_engine_kv_pages_free", ())] == int(d["free_pages"])
         assert m[("kvbus_num_requests_running", ())] == 0
+        # idle: nothing waits, so nothing is held
+        assert m[("kvbus_engine_kv_pages_held", ())] == m[("kvbus_engine_kv_held_pages_evicted_total", ())] == 0
         used = int(d["total_pages"]) - int(d["free_pages"])
         assert m[("kvbus_kv_cache_usage_perc", ())] == used / int(d["total_pages"])
 
