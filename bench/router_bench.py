@@ -110,11 +110,12 @@ def decision_bench(num_pages: int, num_workers: int, num_decisions: int, prompt_
 LAYOUTS = {"aggregated-2": ("--aggregated", "--workers", "2"), "aggregated-4": ("--aggregated", "--workers", "4"),
            "1P2D": ("--prefill", "1", "--decode", "2")}
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
+POOL_COUNTERS = ("preemptions", "pages_evicted", "held_pages_evicted")  # a worker's health detail
 
 
 async def conversations(nats_url: str, args) -> dict:
     from bus.nats_transport import BusConfig, connect
-    from bus.subjects import GENERATE, HEALTH
+    from bus.subjects import GENERATE, HEALTH, WORKER_HEALTH
     from schemas.common import HealthRequest
     from schemas.engine import SamplingParams
     from schemas.generate import GenerateRequest
@@ -151,6 +152,12 @@ async def conversations(nats_url: str, args) -> dict:
         await asyncio.gather(*(session(s) for s in range(args.sessions)))
         wall = time.monotonic() - t0
         router = (await bus.request(HEALTH, HealthRequest(), timeout=10, role="router")).detail
+        pools = {}  # each worker's pool under the workload: preemptions (recomputes), evictions, holds
+        for wid in sorted(k.removeprefix("load_") for k in router if k.startswith("load_")):
+            detail = (await bus.request(WORKER_HEALTH, HealthRequest(), timeout=10, role=wid.rpartition("-")[0],
+                                        worker_id=wid)).detail
+            pools[wid] = {k: int(detail[k]) for k in POOL_COUNTERS + ("remote_prefills", "local_prefills")
+                          if k in detail}
     finally:
         await bus.close()
     later = [t for t in turns if t["turn"] >= 1]
@@ -160,7 +167,7 @@ async def conversations(nats_url: str, args) -> dict:
             "ttft_p90": percentile(ttfts, 90), "wall": wall, "turns": len(turns),
             "remote_later": sum(t["remote"] for t in later) / max(1, len(later)),
             # the router's view: what it predicted cached against what the prefilling workers found
-            "router": {k: v for k, v in router.items() if k.startswith(("cached_tokens", "session", "kv_pages",
+            "pools": pools, "router": {k: v for k, v in router.items() if k.startswith(("cached_tokens", "session", "kv_pages",
                                                                         "reports"))}}
 
 

@@ -274,6 +274,9 @@ class EngineWorker(Actor):
         detail = {"running": str(load.num_running), "waiting": str(load.num_waiting),
                   "refused": str(self.admission.num_refused),
                   "free_pages": str(load.num_free_pages), "total_pages": str(load.num_total_pages)}
+        bm = self.engine.block_manager  # the pool under pressure: recomputes and lost prefixes
+        detail.update(preemptions=str(self.engine.scheduler.num_preemptions), pages_evicted=str(bm.num_evictions),
+                      held_pages=str(bm.num_held_pages), held_pages_evicted=str(bm.holds.num_evicted))
         st = self.engine.stats
         if self.engine.drafter is not None:  # speculative decoding
             detail.update(spec_drafted=str(st.num_drafted_tokens), spec_accepted=str(st.num_accepted_tokens),
