@@ -91,14 +91,19 @@ async def ready(system) -> None:
         await bus.close()
 
 
-async def spans_of(system, request_id: str, done) -> list[Span]:
-    """The trace of ``request_id`` once ``done(spans)`` holds (spans reach the file within a second or two)."""
+async def spans_of(system, request_id: str, *wanted: tuple[str, str | None]) -> list[Span]:
+    """The trace of ``request_id`` once it holds a span of each ``(name, service)`` in ``wanted`` (service
+    None: any). Every process exports through its own batching processor, so the spans of one request reach
+    the file in the order their processes flush, not the order they ended: wait for each one a test reads."""
     deadline = time.monotonic() + 30
     while True:
         spans = find_trace(read_file(system.trace_file), request_id)
-        if spans and done(spans):
+        have = {(s.name, s.service) for s in spans} | {(s.name, None) for s in spans}
+        missing = [w for w in wanted if w not in have]
+        if spans and not missing:
             return spans
-        assert time.monotonic() < deadline, f"the trace of {request_id} is incomplete: {[s.name for s in spans]}"
+        assert time.monotonic() < deadline, \
+            f"the trace of {request_id} lacks {missing}: {sorted({(s.name, s.service) for s in spans})}"
         await asyncio.sleep(0.2)
 
 
@@ -162,9 +167,10 @@ async def test_a_disaggregated_request_is_one_tree_of_its_stages(system, chat_ti
                       if line.startswith("data: ") and line != "data: [DONE]"]
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == 40
-    spans = await spans_of(system, rid, lambda spans: any(s.name == n.STREAM_OUT for s in spans)
-                           and any(s.name == n.DECODE and s.service == "kvbus-decode" for s in spans)
-                           and any(s.name == n.KV_SEND for s in spans))
+    spans = await spans_of(system, rid, ("POST /v1/chat/completions", "kvbus-gateway"), (n.STREAM_OUT, None),
+                           ("kvbus.v1.tokenizer.chat", "kvbus-tokenizer"), ("kvbus.v1.router.route", "kvbus-router"),
+                           (PREFILL.template, "kvbus-prefill"), (n.KV_SEND, None), (n.WRITE_BACK, None),
+                           (WORKER_GENERATE.template, "kvbus-decode"), (n.DECODE, "kvbus-decode"))
     tree = Tree(spans)
     # one trace, the caller's, and every span carries the request id
     assert {s.trace_id for s in spans} == {CLIENT_TRACE_ID}
@@ -263,7 +269,7 @@ async def test_a_request_whose_decode_worker_dies_migrates_and_its_trace_says_so
         warm = f"warm-{uuid.uuid4().hex[:12]}"
         await bus.request(GENERATE_ONCE, GenerateRequest(prompt=PROMPT, session_id=session, sampling=SamplingParams(
             temperature=0.0, max_tokens=4)), headers={REQUEST_ID_HEADER: warm})
-        warm_route = Tree(await spans_of(system, warm, lambda spans: any(s.name == n.ROUTE for s in spans))).one(n.ROUTE)
+        warm_route = Tree(await spans_of(system, warm, (n.ROUTE, None))).one(n.ROUTE)
         victim = warm_route.attributes[n.DECODE_WORKER]
         req = GenerateRequest(prompt=PROMPT, session_id=session,
                               sampling=SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
@@ -278,8 +284,8 @@ async def test_a_request_whose_decode_worker_dies_migrates_and_its_trace_says_so
         await bus.close()
     assert len(got) == 150
     survivor = next(wid for _, wid in ENGINES[1:] if wid != victim)
-    spans = await spans_of(system, rid, lambda spans: any(s.name == n.STREAM_OUT for s in spans)
-                           and any(s.name == n.DECODE and s.service == "kvbus-decode" for s in spans))
+    spans = await spans_of(system, rid, (GENERATE.template, "kvbus-gateway"), (n.STREAM_OUT, None),
+                           (n.MIGRATION, None), (n.LOAD_BACK, "kvbus-decode"), (n.DECODE, "kvbus-decode"))
     tree = Tree(spans)
     assert all(s.request_id == rid for s in spans)
     root = tree.one(GENERATE.template, "kvbus-gateway")

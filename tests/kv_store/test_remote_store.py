@@ -248,7 +248,10 @@ async def test_a_tail_written_on_one_host_is_fetched_on_another(system, config):
     turn2 = PROMPT + answer + [1000 + i for i in range(9)]
     ref = cold_tokens(config.engine_config, turn2, GREEDY)
     assert await generate(client, "worker-c", turn2) == ref
-    assert c.engine.block_manager.num_tail_loads == 1 and c.tier.stats["loaded_back"] == 5
+    bm = c.engine.block_manager
+    seen = {"tail_loads": bm.num_tail_loads, "load_timeouts": bm.num_load_timeouts, "tier": dict(c.tier.stats),
+            "link": dict(c.tier.link.stats), "store_stored": store.core.index.num_stored}  # (a failure says why)
+    assert bm.num_tail_loads == 1 and c.tier.stats["loaded_back"] == 5, seen
     assert c.engine.stats.num_prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)
     assert c.tier.link.stats["pages_received"] == 5 and c.tier.link.stats["fetch_failed"] == 0
     c.tier.link.staging.index.check()
