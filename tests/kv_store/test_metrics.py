@@ -118,6 +118,8 @@ async def test_scraped_series_move_and_equal_the_health_detail(tiny_model):
         assert m[("kvbus_num_requests_running", ())] == 0
         # idle: nothing waits, so nothing is held
         assert m[("kvbus_engine_kv_pages_held", ())] == m[("kvbus_engine_kv_held_pages_evicted_total", ())] == 0
+        assert d["held_pages"] == d["held_pages_evicted"] == d["preemptions"] == "0"  # the health detail's view
+        assert m[("kvbus_engine_kv_pages_evicted_total", ())] == int(d["pages_evicted"])
         used = int(d["total_pages"]) - int(d["free_pages"])
         assert m[("kvbus_kv_cache_usage_perc", ())] == used / int(d["total_pages"])
 
