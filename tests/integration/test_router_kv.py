@@ -104,6 +104,11 @@ class Client:
         await async_wait(grown, 15, f"{num_pages} more pages in the router's index")
 
 
+def session_moves(before: dict[str, str], after: dict[str, str]) -> int:
+    """Session moves between two router health details, whatever the reason."""
+    return sum(int(v) - int(before.get(k, 0)) for k, v in after.items() if k.startswith("session_moves_"))
+
+
 async def async_wait(predicate, timeout: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -220,7 +225,6 @@ async def test_a_session_whose_worker_is_killed_moves_and_the_next_turn_succeeds
     answer2, cached = await client.turn(turn1 + answer + words(7, 20), session="conv-k")
     assert len(answer2) == ANSWER.max_tokens and cached == 0  # on the other worker, which had none of it
     after = await client.router()
-    moves = sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in after if k.startswith("session_moves_"))
-    assert moves == 1, after
+    assert session_moves(before, after) == 1, after
     moved = await client.probe(turn1 + answer + answer2, session="conv-k")
     assert moved.decode_worker_id != pinned.decode_worker_id and moved.reason == "session"

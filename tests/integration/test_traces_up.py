@@ -98,12 +98,12 @@ async def spans_of(system, request_id: str, *wanted: tuple[str, str | None]) -> 
     deadline = time.monotonic() + 30
     while True:
         spans = find_trace(read_file(system.trace_file), request_id)
-        have = {(s.name, s.service) for s in spans} | {(s.name, None) for s in spans}
+        seen = {(s.name, s.service) for s in spans}
+        have = seen | {(name, None) for name, _ in seen}
         missing = [w for w in wanted if w not in have]
         if spans and not missing:
             return spans
-        assert time.monotonic() < deadline, \
-            f"the trace of {request_id} lacks {missing}: {sorted({(s.name, s.service) for s in spans})}"
+        assert time.monotonic() < deadline, f"the trace of {request_id} lacks {missing}: {sorted(seen)}"
         await asyncio.sleep(0.2)
 
 
