@@ -123,8 +123,9 @@ class Bus:
                 data = self._encode_within_limit(message, subject, name, out_headers)
                 await self.transport.publish(name, data, out_headers, reply=inbox)
                 try:
-                    raw = await asyncio.wait_for(future, timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):  # never wait_for: see bus/stream.py
+                        raw = await future
+                except TimeoutError:
                     self._send_cancel(out_headers[REQUEST_ID_HEADER])
                     raise Timeout(f"no reply on {name} within {timeout:g}s",
                                   request_id=out_headers[REQUEST_ID_HEADER]) from None

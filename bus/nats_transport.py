@@ -166,7 +166,8 @@ async def connect(config: BusConfig | None = None, *, name: str = "kvbus") -> Bu
     try:
         # NOTE: nats-py retries the first connect forever when reconnects are unbounded;
         # a wrong URL must fail within the connect timeout instead.
-        await asyncio.wait_for(nc.connect(**kwargs), timeout=config.connect_timeout * 2)
+        async with asyncio.timeout(config.connect_timeout * 2):
+            await nc.connect(**kwargs)
     except Exception as exc:
         try:
             await nc.close()

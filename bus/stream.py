@@ -78,8 +78,11 @@ class ReplyStream:
         if self._token is None:
             await self._start()
         try:
-            raw = await asyncio.wait_for(self._queue.get(), self._timeout)
-        except asyncio.TimeoutError:
+            # NOTE: not asyncio.wait_for: on Python 3.11 it returns the result when a cancel lands in
+            # the tick the result does, and the cancel is lost (a handler told to stop streams on).
+            async with asyncio.timeout(self._timeout):
+                raw = await self._queue.get()
+        except TimeoutError:
             await self.aclose()
             raise Timeout(f"stream on {self._name} stalled: nothing for {self._timeout:g}s",
                           request_id=self.request_id) from None

@@ -82,8 +82,9 @@ class Transport(abc.ABC):
         try:
             await self.publish(subject, data, headers, reply=inbox)
             try:
-                msg = await asyncio.wait_for(reply, timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # never wait_for: see bus/stream.py
+                    msg = await reply
+            except TimeoutError:
                 raise Timeout(f"no reply on {subject} within {timeout:g}s") from None
         finally:
             await sub.unsubscribe()

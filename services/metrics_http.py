@@ -48,7 +48,8 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            method, path = await asyncio.wait_for(_read_head(reader), READ_TIMEOUT_S)
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                method, path = await _read_head(reader)
             if method not in ("GET", "HEAD"):
                 status, body, ctype = "405 Method Not Allowed", b"only GET and HEAD\n", "text/plain"
             elif path.split("?", 1)[0] != "/metrics":

@@ -61,9 +61,12 @@ class GatewayActor(Actor):
 
     async def handle_generate(self, req: GenerateRequest, ctx: RequestContext) -> AsyncIterator[GenerateChunk]:
         tracing.RequestTrace.current().set({trace_names.REQUEST_STREAM: True})  # (the bus's span is the root)
-        async for chunk in self.pipeline.generate(req, request_id=ctx.request_id, endpoint="generate",
-                                                  deadline=ctx.deadline):
-            yield chunk
+        # closed here, not when collected: the bus closes this handler at its yield when a cancel lands
+        # as a chunk goes out, and the worker's stream must end then
+        async with contextlib.aclosing(self.pipeline.generate(req, request_id=ctx.request_id, endpoint="generate",
+                                                              deadline=ctx.deadline)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def handle_generate_once(self, req: GenerateRequest, ctx: RequestContext) -> GenerateReply:
         tracing.RequestTrace.current().set({trace_names.REQUEST_STREAM: False})
@@ -125,7 +128,8 @@ class GatewayActor(Actor):
         self._server.config.timeout_graceful_shutdown = timeout
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._server_task), timeout + 1.0)
+            async with asyncio.timeout(timeout + 1.0):
+                await asyncio.shield(self._server_task)
         except Exception:
             log.warning("gateway %s: HTTP server did not stop in %.0fs", self.worker_id, timeout)
 

@@ -16,6 +16,7 @@ Usage over the choices (:func:`merged_usage`): the prompt counted once (its cach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -50,9 +51,10 @@ async def stream_choices(num_choices: int, stream: Callable[[int, list], AsyncIt
         try:
             if index:
                 await first_back.wait()
-            async for chunk in stream(index, route):
-                await queue.put((index, chunk))
-                first_back.set()
+            async with contextlib.aclosing(stream(index, route)) as chunks:  # its worker's stream ends with us
+                async for chunk in chunks:
+                    await queue.put((index, chunk))
+                    first_back.set()
         except BaseException as exc:  # (cancelled too: nothing is read any more then)
             await queue.put((index, exc))
             raise

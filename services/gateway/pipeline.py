@@ -181,27 +181,30 @@ class GenerationPipeline:
             first: dict[int, float] = {}
             last: dict[int, float] = {}
             num_finished = 0
-            async for index, chunk in self._choices(req, prompt_ids, request_id, min(ends), timings, gtrace.trace):
-                now = time.monotonic()
-                gtrace.chunk(index, chunk, now)
-                if chunk.token_ids:
-                    if index not in last:
-                        first[index] = now
-                        if len(first) == 1:
-                            self.metrics.ttft.observe(now - started)
-                    else:
-                        self.metrics.itl.observe((now - last[index]) / len(chunk.token_ids))
-                    last[index] = now
-                    self.metrics.generation_tokens.inc(len(chunk.token_ids))
-                if chunk.usage is not None:
-                    self.metrics.observe_usage(chunk.usage, now - first.get(index, now))
-                    num_finished += 1
-                    if num_finished == req.sampling.n:
-                        self.metrics.e2e.observe(now - started)
-                out = GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
-                                    finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
-                                    timings={**timings, **chunk.timings} if chunk.timings else None, index=index)
-                yield parsers[index].chunk(out) if parsers[index] is not None else out
+            # closed here, not when collected: the workers' streams end with this generator
+            async with contextlib.aclosing(self._choices(req, prompt_ids, request_id, min(ends), timings,
+                                                         gtrace.trace)) as chunks:
+                async for index, chunk in chunks:
+                    now = time.monotonic()
+                    gtrace.chunk(index, chunk, now)
+                    if chunk.token_ids:
+                        if index not in last:
+                            first[index] = now
+                            if len(first) == 1:
+                                self.metrics.ttft.observe(now - started)
+                        else:
+                            self.metrics.itl.observe((now - last[index]) / len(chunk.token_ids))
+                        last[index] = now
+                        self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                    if chunk.usage is not None:
+                        self.metrics.observe_usage(chunk.usage, now - first.get(index, now))
+                        num_finished += 1
+                        if num_finished == req.sampling.n:
+                            self.metrics.e2e.observe(now - started)
+                    out = GenerateChunk(text=chunk.text, token_ids=chunk.token_ids if req.include_token_ids else [],
+                                        finish_reason=chunk.finish_reason, usage=chunk.usage, logprobs=chunk.logprobs,
+                                        timings={**timings, **chunk.timings} if chunk.timings else None, index=index)
+                    yield parsers[index].chunk(out) if parsers[index] is not None else out
         except BusError as exc:
             error = exc
             raise

@@ -9,6 +9,7 @@ sees one stream with no gap and no repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -96,21 +97,23 @@ class WorkerStreams:
             held = HeldText(pending_text, req.sampling.stop) if num_before else None
             worker_span = attempts.open_worker(attempt, route, num_before)
             try:
-                async for chunk in self._chunks_from(worker_id, message, request_id, deadline, worker_span):
-                    attempts.first_chunk(worker_id)
-                    if held is not None:  # count as if one worker did it all
-                        out, ends = held.feed(_continued(chunk, num_before, ""))
-                    else:
-                        out, ends = [chunk], chunk.finish_reason is not None
-                    for c in out:
-                        if held is not None and held.stop_end is not None:  # stopped across the migration
-                            c = await self._stopped_across(req, len(prompt_ids), generated, "".join(emitted), c,
-                                                           held.stop_end)
-                        generated += c.token_ids
-                        emitted.append(c.text)
-                        yield c
-                    if ends:
-                        return
+                async with contextlib.aclosing(self._chunks_from(worker_id, message, request_id, deadline,
+                                                                 worker_span)) as chunks:  # closed with us
+                    async for chunk in chunks:
+                        attempts.first_chunk(worker_id)
+                        if held is not None:  # count as if one worker did it all
+                            out, ends = held.feed(_continued(chunk, num_before, ""))
+                        else:
+                            out, ends = [chunk], chunk.finish_reason is not None
+                        for c in out:
+                            if held is not None and held.stop_end is not None:  # stopped across the migration
+                                c = await self._stopped_across(req, len(prompt_ids), generated, "".join(emitted), c,
+                                                               held.stop_end)
+                            generated += c.token_ids
+                            emitted.append(c.text)
+                            yield c
+                        if ends:
+                            return
                 return
             except Unavailable as exc:
                 attempts.failed(exc)

@@ -189,8 +189,9 @@ class NatsReceiver(ReceiverBackend):
             if descriptor.num_chunks == 0 and descriptor.num_bytes == 0:
                 return torch.empty(0, dtype=torch.uint8)
             try:
-                await asyncio.wait_for(asm.done.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await asm.done.wait()
+            except TimeoutError:
                 raise TransferTimeout(f"transfer {tid}: {asm.num_received}/{asm.num_chunks or descriptor.num_chunks}"
                                       f" chunks after {timeout:g}s") from None
             if asm.error is not None:

@@ -129,8 +129,9 @@ async def ready_unless_stopped(bus, planned: Plan, supervisor: Supervisor, timeo
 async def supervise_until(stop: asyncio.Event, supervisor: Supervisor) -> None:
     while not stop.is_set():
         await supervisor.supervise()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), STOP_POLL_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_POLL_S):
+                await stop.wait()
 
 
 async def up(config: UpConfig) -> int:

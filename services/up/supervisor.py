@@ -136,13 +136,15 @@ class Supervisor:
             return
         child.proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(child.proc.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await child.proc.wait()
+        except TimeoutError:
             child.proc.kill()
             await child.proc.wait()
         if child.pump:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(child.pump, 2)
+                async with asyncio.timeout(2):
+                    await child.pump
 
     async def stop_all(self, last: Child | None = None, *, after_services: tuple[Child, ...] = ()) -> None:
         """Stop the services together, then ``after_services`` (the trace receiver: their last spans),

@@ -184,8 +184,9 @@ class EngineWorker(Actor):
         held = start
         if start < len(hashes):
             try:
-                in_l2 = await asyncio.wait_for(tier.prefetch(hashes[start:]), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    in_l2 = await tier.prefetch(hashes[start:])
+            except TimeoutError:
                 return start
             held = start + (in_l2 if in_l2 >= self.config.hicache_min_load_pages else 0)
         if bm.reuse_tails and held:  # the computed rows of the page after them, if an earlier request
@@ -193,8 +194,9 @@ class EngineWorker(Actor):
             tails = [hash_tail(hashes[held - 1], t) for t in bm.tail_candidates(prompt_token_ids, held)]
             if tails and not any(h in bm.hash_to_page_id for h in tails):
                 try:
-                    await asyncio.wait_for(tier.prefetch_tail(tails), timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):
+                        await tier.prefetch_tail(tails)
+                except TimeoutError:
                     pass
         return held
 

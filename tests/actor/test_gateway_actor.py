@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import time
 
@@ -18,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from bus import errors
+from bus import RequestContext, errors
 from bus.memory import MemoryNetwork, memory_bus
 from bus.subjects import GENERATE, GENERATE_ONCE, WORKER_HEARTBEAT
 from schemas.engine import SamplingParams
@@ -244,6 +245,23 @@ async def test_leaving_the_stream_cancels_the_worker(cluster):
                 break
     await engine_is_idle(cluster)
     assert 'kvbus_requests_total{endpoint="generate",status="499"} 1.0' in cluster.gateway.metrics.render().decode()
+
+
+async def test_a_handler_closed_at_a_chunk_ends_the_workers_stream_at_once(cluster):
+    """The bus closes a stream handler at its yield when a cancel lands as a chunk goes out: every layer
+    under it (the pipeline, the worker's stream) must end then, not when the collector finds them."""
+    ctx = RequestContext("closed-at-a-chunk", GENERATE.template, {}, time.monotonic())
+    handler = cluster.gateway.handle_generate(GenerateRequest(prompt=PROMPT, sampling=ENDLESS), ctx)
+    for _ in range(2):
+        await anext(handler)
+    gc.disable()  # nothing may depend on a collection
+    try:
+        await handler.aclose()
+        assert cluster.gateway.pipeline.num_inflight == 0, "the pipeline outlived its handler"
+        assert not cluster.buses["gateway-0"]._pending, "the worker's stream outlived its handler"
+    finally:
+        gc.enable()
+    await engine_is_idle(cluster)
 
 
 async def test_generate_timeout_cancels_the_worker(core, engine, worker_config):

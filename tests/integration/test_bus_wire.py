@@ -240,6 +240,45 @@ async def test_client_leaving_a_stream_cancels_the_handler(make_bus):
     await asyncio.wait_for(cancelled.wait(), 5)
 
 
+async def test_a_cancel_that_lands_with_a_chunk_still_cancels_the_reader(make_bus):
+    """Python 3.11's asyncio.wait_for returns the result when a cancel lands in the tick the result
+    does, and the cancel is lost: a gateway told to stop as a worker's chunk came in streamed on."""
+    server, client = await make_bus(), await make_bus()
+
+    async def stalling(req: EchoRequest):
+        yield EchoChunk(index=0)
+        await asyncio.sleep(30)
+
+    await server.serve(DEBUG_STREAM, stalling)
+    await settle(server)
+    async with client.stream(DEBUG_STREAM, EchoRequest(count=2)) as chunks:
+        assert (await anext(chunks)).index == 0
+        reader = asyncio.create_task(anext(chunks))
+        for _ in range(5):  # the reader now waits on the stream (nothing else can run: the handler sleeps)
+            await asyncio.sleep(0)
+        chunks.abort(errors.Unavailable("comes in the tick the cancel does"))
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+
+async def test_a_cancel_that_lands_with_the_reply_still_cancels_the_caller(make_bus):
+    server, client = await make_bus(), await make_bus()
+    await server.serve(DEBUG_ECHO, echo)
+    await settle(server)
+    calls: list[asyncio.Task] = []
+    deliver = client._on_reply  # bound by the first request: every reply of this bus comes through it
+
+    async def deliver_then_cancel(raw):
+        await deliver(raw)
+        calls[-1].cancel()  # in the tick the reply landed in, before the caller runs again
+
+    client._on_reply = deliver_then_cancel
+    calls.append(asyncio.create_task(client.request(DEBUG_ECHO, EchoRequest(data=b"x"))))
+    with pytest.raises(asyncio.CancelledError):
+        await calls[-1]
+
+
 async def test_queue_group_shares_load(make_bus):
     client = await make_bus()
     counts: Counter = Counter()

@@ -315,13 +315,18 @@ def test_streams_through_a_worker_killed_mid_way_migrate_and_match_http(system, 
     all_idle(system)
     before = int(gateway_detail(system)["migrations"])
     body = request(GREEDY, session_id="wire-contract-migration")
+    # Node first, C once Node streams: a node process can take seconds to start on a loaded machine,
+    # and C, started together with it, had finished its 24 tokens by then (seen with the cores busy).
+    # Both streams are paced by the same engine steps now: C's prefill and 2 chunks take ~3 of the
+    # ~22 steps Node has left.
     node = node_client(modules, contract, system, op="generate", body=body, timeout_s=300)
-    c = c_run(c_client, system, body, "-t", "300")
     node.wait_for_chunks(2)
+    c = c_run(c_client, system, body, "-t", "300")
     c.wait_for_chunks(2)
     states = asyncio.run(_states(system.nats_url))
     victims = [wid for wid, detail in states.items() if detail.get("running") == "2"]
-    assert len(victims) == 1, f"the session's two streams are not on one worker: {states}"
+    assert len(victims) == 1, (f"the session's two streams are not on one worker: {states}; Node had "
+                               f"{node.chunks()} chunks, C {c.chunks()}")
     victim = victims[0]
     os.kill(pid_of(system, victim), signal.SIGKILL)
     c_lines = c.finish()
