@@ -4,6 +4,7 @@
     python -m bench.router_bench workload                 # kv against round_robin, random, least_loaded on
                                                           # 2 and 4 aggregated workers and 1P2D (~30-60 min)
     python -m bench.router_bench workload --quick         # a smoke run: 2 workers, kv and round_robin (3-6 min)
+    python -m bench.router_bench workload --hicache       # the same with host-memory tiers (kvbus up --hicache)
 
 ``decision``: a router in this process (no bus) follows 16 workers on 4 hosts; synthetic KV events
 (the ones the engines publish) fill its index with ``--pages`` device pages, chains of conversations
@@ -111,6 +112,7 @@ LAYOUTS = {"aggregated-2": ("--aggregated", "--workers", "2"), "aggregated-4": (
            "1P2D": ("--prefill", "1", "--decode", "2")}
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
 POOL_COUNTERS = ("preemptions", "pages_evicted", "held_pages_evicted")  # a worker's health detail
+HICACHE_COUNTERS = ("hicache_written_back", "hicache_loaded_back", "hicache_hits", "hicache_misses")  # --hicache
 
 
 async def conversations(nats_url: str, args) -> dict:
@@ -158,6 +160,7 @@ async def conversations(nats_url: str, args) -> dict:
                                         worker_id=wid)).detail
             pools[wid] = {k: int(detail[k]) for k in POOL_COUNTERS + ("remote_prefills", "local_prefills")
                           if k in detail}
+            pools[wid].update({k: int(float(detail[k])) for k in HICACHE_COUNTERS if k in detail})
     finally:
         await bus.close()
     later = [t for t in turns if t["turn"] >= 1]
@@ -180,10 +183,11 @@ def workload_bench(args) -> list[dict]:
             env = {"KVBUS_POLICY": policy, "KVBUS_SEED": str(args.seed)}
             if policy != "kv" and not args.baseline_affinity:
                 env["KVBUS_SESSION_TTL"] = "0"
-            with LocalSystem(*LAYOUTS[layout], "--speculative", "off", "--dtype", args.dtype,
+            tiers = ("--hicache",) if args.hicache else ()
+            with LocalSystem(*LAYOUTS[layout], *tiers, "--speculative", "off", "--dtype", args.dtype,
                              "--kv-cache-memory", str(args.kv_cache_memory), env=env) as system:
                 row = asyncio.run(conversations(system.nats_url, args))
-            row.update(layout=layout, policy=policy)
+            row.update(layout=layout, policy=policy, hicache=args.hicache)
             print(json.dumps(row), flush=True)
             results.append(row)
     return results
@@ -231,6 +235,8 @@ def main() -> None:
     w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
                    help="the engines' dtype (default float32: a bfloat16 pool holds twice the tokens, so kvbus "
                         "up's 'auto', bfloat16 on a CPU with avx512_bf16 or AMX, would take the pool pressure away)")
+    w.add_argument("--hicache", action="store_true",
+                   help="kvbus up --hicache: each host's kv_store keeps evicted pages in host memory (docs/hicache.md)")
     w.add_argument("--baseline-affinity", action="store_true", help="keep session affinity on for the baselines")
     w.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
