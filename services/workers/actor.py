@@ -193,11 +193,9 @@ class EngineWorker(Actor):
             # left them (a conversation's next turn; a cold prompt pays no second round trip)
             tails = [hash_tail(hashes[held - 1], t) for t in bm.tail_candidates(prompt_token_ids, held)]
             if tails and not any(h in bm.hash_to_page_id for h in tails):
-                try:
+                with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout):
                         await tier.prefetch_tail(tails)
-                except TimeoutError:
-                    pass
         return held
 
     def prompt_page_hashes(self, prompt_token_ids: list[int]) -> list[int]:

@@ -254,7 +254,7 @@ async def test_a_cancel_that_lands_with_a_chunk_still_cancels_the_reader(make_bu
     async with client.stream(DEBUG_STREAM, EchoRequest(count=2)) as chunks:
         assert (await anext(chunks)).index == 0
         reader = asyncio.create_task(anext(chunks))
-        for _ in range(5):  # the reader now waits on the stream (nothing else can run: the handler sleeps)
+        while not chunks._queue._getters:  # until the reader waits on the stream (one loop tick)
             await asyncio.sleep(0)
         chunks.abort(errors.Unavailable("comes in the tick the cancel does"))
         reader.cancel()
