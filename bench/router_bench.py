@@ -136,17 +136,19 @@ async def conversations(nats_url: str, args) -> dict:
         for t in range(args.turns):
             if t:
                 history = history + tails[s][t]
-            started, first, answer, usage, remote = time.monotonic(), None, [], None, False
+            started, first, answer, usage, remote, split = time.monotonic(), None, [], None, False, {}
             req = GenerateRequest(prompt_token_ids=history, sampling=sampling, session_id=f"session-{s}")
             async with bus.stream(GENERATE, req, timeout=600) as chunks:
                 async for chunk in chunks:
                     if first is None and chunk.token_ids:
                         first = time.monotonic() - started
+                        split = dict(chunk.timings or {})  # route_s, and the worker's own first_token_s
                     answer += chunk.token_ids
                     usage = chunk.usage or usage
                     remote = remote or "prefill_call_s" in (chunk.timings or {})  # a prefill worker's
             turns.append({"turn": t, "ttft": first, "prompt": usage.prompt_tokens,
-                          "cached": usage.cached_prompt_tokens, "remote": remote})
+                          "cached": usage.cached_prompt_tokens, "remote": remote,
+                          "route": split.get("route_s"), "worker_first": split.get("first_token_s")})
             history = history + answer
 
     try:
@@ -168,6 +170,9 @@ async def conversations(nats_url: str, args) -> dict:
     ttfts = [t["ttft"] for t in later]
     return {"hit_later": share(later), "hit_all": share(turns), "ttft_p50": percentile(ttfts, 50),
             "ttft_p90": percentile(ttfts, 90), "wall": wall, "turns": len(turns),
+            # where a later turn's TTFT went: the route call, and the worker from its request to its first token
+            **{f"{k}_p50": percentile(vs, 50) if (vs := [t[k] for t in later if t[k] is not None]) else None
+               for k in ("route", "worker_first")},
             "remote_later": sum(t["remote"] for t in later) / max(1, len(later)),
             # the router's view: what it predicted cached against what the prefilling workers found
             "pools": pools, "router": {k: v for k, v in router.items() if k.startswith(("cached_tokens", "session", "kv_pages",
