@@ -142,7 +142,7 @@ async def conversations(nats_url: str, args) -> dict:
                 async for chunk in chunks:
                     if first is None and chunk.token_ids:
                         first = time.monotonic() - started
-                        split = dict(chunk.timings or {})  # route_s, and the worker's own first_token_s
+                        split = chunk.timings or {}  # route_s, and the worker's own first_token_s
                     answer += chunk.token_ids
                     usage = chunk.usage or usage
                     remote = remote or "prefill_call_s" in (chunk.timings or {})  # a prefill worker's
@@ -168,11 +168,15 @@ async def conversations(nats_url: str, args) -> dict:
     later = [t for t in turns if t["turn"] >= 1]
     share = lambda ts: sum(t["cached"] for t in ts) / max(1, sum(t["prompt"] for t in ts))  # noqa: E731
     ttfts = [t["ttft"] for t in later]
+
+    def p50_of(key: str) -> float | None:  # None: no worker reported that timing
+        values = [t[key] for t in later if t[key] is not None]
+        return percentile(values, 50) if values else None
+
     return {"hit_later": share(later), "hit_all": share(turns), "ttft_p50": percentile(ttfts, 50),
             "ttft_p90": percentile(ttfts, 90), "wall": wall, "turns": len(turns),
             # where a later turn's TTFT went: the route call, and the worker from its request to its first token
-            **{f"{k}_p50": percentile(vs, 50) if (vs := [t[k] for t in later if t[k] is not None]) else None
-               for k in ("route", "worker_first")},
+            "route_p50": p50_of("route"), "worker_first_p50": p50_of("worker_first"),
             "remote_later": sum(t["remote"] for t in later) / max(1, len(later)),
             # the router's view: what it predicted cached against what the prefilling workers found
             "pools": pools, "router": {k: v for k, v in router.items() if k.startswith(("cached_tokens", "session", "kv_pages",
