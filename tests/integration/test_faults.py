@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -32,14 +33,15 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 WORKERS = [("worker", "worker-0"), ("worker", "worker-1")]
 PROMPT = "Write a long story about a river that runs through an ancient city:"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+DRAIN_S = 3.0  # the workers' --drain-timeout
 
 
 @pytest.fixture(scope="module")
 def system(model_dir):
     # 2 aggregated workers, 1 thread each; 4 running + 8 queued each: small enough to overload.
-    # No speculation: the drain test needs a stream that outlasts the 5 s drain, and with n-gram
+    # No speculation: the drain test needs a stream that outlasts the drain, and with n-gram
     # drafts (kvbus up's default for greedy requests) its 400 repetitive tokens finished inside it.
-    with LocalSystem("--aggregated", "--workers", "2", "--num-threads", "1", "--drain-timeout", "5",
+    with LocalSystem("--aggregated", "--workers", "2", "--num-threads", "1", "--drain-timeout", str(DRAIN_S),
                      "--speculative", "off",
                      "--engine-args", "--max-running-requests 4 --max-queue 8 --heartbeat-interval 0.5",
                      model_dir=model_dir) as s:
@@ -148,16 +150,32 @@ async def test_overload_is_refused_at_once_with_retry_after_and_nothing_leaks(sy
         await bus.close()
 
 
+async def seconds_per_token(bus) -> float:
+    """This machine's decode speed for one stream on one thread, from the gaps between chunks after
+    the first (the prefill): the shortest context, so later tokens of a longer stream are no faster."""
+    stamps: list[tuple[float, int]] = []
+    async with bus.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=GREEDY), timeout=120) as chunks:
+        async for chunk in chunks:
+            stamps.append((time.monotonic(), len(chunk.token_ids)))
+    (t_first, _), (t_last, _) = stamps[0], stamps[-1]
+    return (t_last - t_first) / max(1, sum(n for _, n in stamps[1:]))
+
+
 async def test_sigterm_drains_a_worker_which_hands_its_stream_off_and_exits_0(system):
-    """--drain-timeout 5: a stream longer than that is cut off on the draining worker (unavailable), and the
+    """A stream longer than the drain timeout is cut off on the draining worker (unavailable), and the
     gateway moves it to the other worker with the tokens so far; the drained worker exits 0."""
     bus = await connect(BusConfig(nats_url=system.nats_url, request_timeout=120))
     try:
         await wait_for(lambda: all_ready(bus), 120, "both workers ready")
         before = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
-        # 400 tokens on one thread take well over the 5 s drain (>= 30 ms a token for the default
-        # model on one core), however fast the machine: 160 finished inside it once the kernels got faster
-        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        # The stream must outlast the drain on whatever machine runs this: a fixed length did not
+        # (400 tokens finished inside a 5 s drain once a machine decoded at 12 ms a token). Its length
+        # is four drains at this machine's measured speed, and never under 400 tokens.
+        per_token = await seconds_per_token(bus)
+        n = max(400, math.ceil(4 * DRAIN_S / per_token))
+        assert n <= 3000, f"{per_token * 1e3:.1f} ms a token: a stream that outlasts the drain is past 3000 tokens"
+        print(f"{per_token * 1e3:.1f} ms a token: a stream of {n} tokens against a {DRAIN_S:g} s drain")
+        long = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         got: list[int] = []
         victim_pid = None
         async with bus.stream(GENERATE, GenerateRequest(prompt=PROMPT, sampling=long), timeout=120) as chunks:
@@ -169,7 +187,7 @@ async def test_sigterm_drains_a_worker_which_hands_its_stream_off_and_exits_0(sy
                     [victim] = [wid for wid, d in states.items() if d.get("running") == "1"]
                     victim_pid = pid_of(system, victim)
                     os.kill(victim_pid, signal.SIGTERM)
-        assert len(got) == 400 and usage.completion_tokens == 400
+        assert len(got) == n and usage.completion_tokens == n
         after = int((await bus.request(HEALTH, HealthRequest(), role="gateway")).detail["migrations"])
         assert after == before + 1, "the stream was not handed off"
         await wait_for(lambda: asyncio.sleep(0, f"{victim} (pid {victim_pid}) exited with" in system.log(400)),
