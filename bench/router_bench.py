@@ -112,7 +112,8 @@ LAYOUTS = {"aggregated-2": ("--aggregated", "--workers", "2"), "aggregated-4": (
            "1P2D": ("--prefill", "1", "--decode", "2")}
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
 POOL_COUNTERS = ("preemptions", "pages_evicted", "held_pages_evicted")  # a worker's health detail
-HICACHE_COUNTERS = ("hicache_written_back", "hicache_loaded_back", "hicache_hits", "hicache_misses")  # --hicache
+HICACHE_COUNTERS = ("hicache_written_back", "hicache_written_sync", "hicache_dropped", "hicache_loaded_back",
+                    "hicache_hits", "hicache_misses")  # --hicache
 
 
 async def conversations(nats_url: str, args) -> dict:

@@ -68,7 +68,7 @@ class HostTierClient(CacheTierHooks):
     is_tier = True
 
     def __init__(self, link, *, owner: str, model: str = "", write_policy: str = "write_back",
-                 selective_hits: int = 2, min_load_pages: int = 1, lease_batch: int = 32, prefault: bool = True):
+                 selective_hits: int = 2, min_load_pages: int = 1, lease_batch: int = 256, prefault: bool = True):
         self.link, self.owner, self.model = link, owner, model
         self.policy = make_write_policy(write_policy, selective_hits)
         self.min_load_pages = max(1, min_load_pages)

@@ -12,7 +12,12 @@ class KVStoreConfig:
     host_id: str | None = None
     """Host this store serves (engines with the same host id map its arena); default: the host name."""
     hicache_ratio: float = 2.0
-    """L2 size as a multiple of the KV pool of the first engine that attaches (kvbus up gives every engine of a host the same pool); used when hicache_size is unset."""
+    """L2 size in KV pools per engine: ratio x the first attached engine's pool x ``hicache_engines`` (kvbus up
+    gives every engine of a host the same pool); used when hicache_size is unset."""
+    hicache_engines: int = 1
+    """Engines that will share this store (kvbus up passes the engines it starts on the host): each gets
+    hicache_ratio pools of L2, as SGLang sizes its host pool per instance. Two decoders sharing an L2 of
+    two pools held less than their own pools together and dropped write-backs (docs/benchmarks.md)."""
     hicache_size: float | None = None
     """L2 size in GB; overrides hicache_ratio."""
     memory_reserve: float = 1.0
@@ -42,6 +47,8 @@ class KVStoreConfig:
     def __post_init__(self) -> None:
         if not self.hicache_ratio > 0:
             raise ConfigError(f"KVStoreConfig.hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_engines < 1:
+            raise ConfigError(f"KVStoreConfig.hicache_engines must be >= 1, got {self.hicache_engines}")
         if self.hicache_size is not None and not self.hicache_size > 0:
             raise ConfigError(f"KVStoreConfig.hicache_size must be > 0 GB, got {self.hicache_size}")
         if self.memory_reserve < 0 or not self.hicache_storage_size > 0:

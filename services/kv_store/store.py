@@ -3,7 +3,7 @@
 Thread-safe (one lock), so tests and an in-process engine can call it
 directly; the actor (``actor.py``) puts it on the bus. The arena is created
 by the first engine that attaches (its page layout and pool size decide the
-slot size and, with ``hicache_ratio``, the slot count); later engines must
+slot size and, with ``hicache_ratio`` x ``hicache_engines``, the slot count); later engines must
 have the same layout (model, KV dtype, page shape, fp8 scales) or they are
 refused and run without L2.
 """
@@ -64,6 +64,8 @@ class StoreCore:
         self.index: SlotIndex | None = None
         self.disk: DiskTier | None = None
         self.layout_key: str | None = None
+        self.sizing_pool_bytes = 0
+        """The KV pool of the engine that sized the arena (0: none attached yet)."""
         self.counters = {k: 0 for k in ("hits_host", "hits_disk", "misses", "committed", "duplicates",
                                         "evicted_host", "spilled_disk", "corrupted_disk", "bytes_in_disk",
                                         "remote_in", "remote_out")}
@@ -84,12 +86,11 @@ class StoreCore:
             elif layout_key != self.layout_key or page_bytes != self.arena.layout.page_bytes:
                 raise InvalidArgument(f"kv_store holds pages of layout {self.layout_key!r}; "
                                       f"engine {owner} has {layout_key!r}")
-            elif self.config.hicache_size is None and self.config.hicache_ratio * pool_bytes > \
-                    self.arena.layout.total_bytes + self.arena.layout.page_bytes:
+            elif self.config.hicache_size is None and pool_bytes > self.sizing_pool_bytes:
                 # The arena was sized by the first engine; it cannot grow under engines mapping it.
                 log.warning("kv_store: engine %s has a larger KV pool (%.2f GB) than the engine that sized L2; "
-                            "L2 is %.2f GB, not %.1f x its pool. Give the kv_store --hicache-size GB to size "
-                            "it for the largest engine.", owner, pool_bytes / GB,
+                            "L2 is %.2f GB, not %g x its pool per engine. Give the kv_store --hicache-size GB "
+                            "to size it for the largest engine.", owner, pool_bytes / GB,
                             self.arena.layout.total_bytes / GB, self.config.hicache_ratio)
             if reset_leases:
                 self.index.release_owner(owner)
@@ -99,8 +100,9 @@ class StoreCore:
         cfg = self.config
         if page_bytes <= 0 or page_size <= 0:
             raise InvalidArgument("page_bytes and page_size must be > 0")
-        size = int(cfg.hicache_size * GB) if cfg.hicache_size is not None else int(cfg.hicache_ratio * pool_bytes)
+        size = int(cfg.hicache_size * GB) if cfg.hicache_size is not None else self._ratio_size(pool_bytes, page_bytes)
         layout = ArenaLayout(max(1, size // page_bytes), page_bytes, page_size)
+        self.sizing_pool_bytes = pool_bytes
         check_size(layout.total_bytes, cfg.memory_reserve)
         self.arena = Arena.create(layout, tag=str(os.getpid()))
         self.index = SlotIndex(layout.num_slots)
@@ -113,6 +115,20 @@ class StoreCore:
                  page_bytes, layout.total_bytes / GB, f", L3 {self.disk.dir} ({len(self.disk)} pages)" if self.disk else "")
         if cfg.hicache_prefault:  # commit its memory (engines use the arena meanwhile)
             self.prefault_thread = prefault_in_background(self.arena, self._closing, "kv_store: committing L2's memory")
+
+    def _ratio_size(self, pool_bytes: int, page_bytes: int) -> int:
+        """``hicache_ratio`` pools for each of ``hicache_engines``, but no more than half of the memory
+        free now (less the reserve): the engines' own pools may still be on their way. An explicit
+        ``hicache_size`` is checked instead, and refused when it does not fit."""
+        cfg = self.config
+        size = int(cfg.hicache_ratio * pool_bytes * cfg.hicache_engines)
+        room = (available_memory_bytes() - int(cfg.memory_reserve * GB)) // 2
+        if size > room >= page_bytes:
+            log.warning("kv_store: L2 of %g x %d engines' KV pools (%.2f GB) is more than half of the %.2f GB "
+                        "free beyond the reserve; L2 is %.2f GB. Give --hicache-size GB to choose its size.",
+                        cfg.hicache_ratio, cfg.hicache_engines, size / GB, 2 * room / GB, room / GB)
+            size = room
+        return size
 
     def detach(self, owner: str) -> None:
         with self.lock:

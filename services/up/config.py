@@ -87,7 +87,7 @@ class UpConfig:
     """start the host's kv_store and let every engine write evicted KV pages back to it and load prefix
     hits back (docs/hicache.md)"""
     hicache_ratio: float = 2.0
-    """L2 size in engine KV pools"""
+    """L2 size in KV pools per engine (the host's L2 is this x the pool x the engines started)"""
     hicache_size: float | None = None
     """L2 size in GB (overrides the ratio)"""
     hicache_storage_dir: str | None = None

@@ -133,7 +133,9 @@ def gateway_flags(context: LaunchContext, wid: str) -> list[str]:
 
 def kv_store_flags(context: LaunchContext, wid: str) -> list[str]:
     config = context.config
-    return ["--hicache-ratio", str(config.hicache_ratio), "--hicache-l3-admit-hits", str(config.hicache_l3_admit_hits),
+    # every engine started here shares this host's store: each gets hicache_ratio pools of it
+    return ["--hicache-ratio", str(config.hicache_ratio), "--hicache-engines", str(len(context.engine_cores)),
+            "--hicache-l3-admit-hits", str(config.hicache_l3_admit_hits),
             *_option("--hicache-size", config.hicache_size),
             *_option("--hicache-storage-dir", config.hicache_storage_dir),
             *_switch("--no-hicache-prefault", not config.hicache_prefault)]

@@ -214,6 +214,60 @@ def test_a_larger_engine_than_the_one_that_sized_l2_is_warned_about(caplog):
     core.close()
 
 
+def test_l2_holds_ratio_pools_for_every_engine_that_will_share_it():
+    core = StoreCore(KVStoreConfig(hicache_ratio=2.0, hicache_engines=3, memory_reserve=0.0))
+    core.attach("decode-0", "model-a", PB, PS, 4 * PB)
+    assert core.arena.layout.num_slots == 2 * 4 * 3
+    core.close()
+    with pytest.raises(ConfigError, match="hicache_engines must be >= 1"):
+        KVStoreConfig(hicache_engines=0)
+
+
+def test_a_ratio_size_past_half_the_free_memory_is_capped_with_a_warning(monkeypatch, caplog):
+    import services.kv_store.store as store
+
+    big = 64 * 1024  # pages of 64 KiB: the slots' headers (a 4 KiB block here) are small beside them
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: 2 * (10 * big + 4096))  # half: 10 slots
+    core = StoreCore(KVStoreConfig(hicache_ratio=2.0, hicache_engines=4, memory_reserve=0.0))
+    with caplog.at_level("WARNING", logger="services.kv_store.store"):
+        core.attach("worker-0", "model-a", big, PS, 4 * big)  # 2 x 4 pages x 4 engines = 32 pages wanted
+    assert core.arena.layout.num_slots == 10
+    [record] = caplog.records
+    assert "2 x 4 engines" in record.getMessage() and "--hicache-size" in record.getMessage()
+    core.close()
+    # an explicit size is not capped: refused when it does not fit, as before
+    with pytest.raises(ConfigError, match="does not fit"):
+        StoreCore(KVStoreConfig(hicache_size=32 * big / 1024**3, memory_reserve=0.0))
+
+
+def test_an_engine_leases_a_few_slots_at_attach_then_up_to_the_stores_cap():
+    from services.kv_store.leases import FIRST_LEASES, Attachment
+    from services.kv_store.links import LocalLink
+
+    # 1024 slots, at most 1/8 of them leased to one engine at a time (leased, or taken and not committed)
+    core = StoreCore(KVStoreConfig(hicache_size=1024 * PB / 1024**3, memory_reserve=0.0, lease_share=1 / 8))
+    arena = core.attach("e1", "model-a", PB, PS, 64 * PB)
+    link, asked = LocalLink(core), []
+    lease = link.lease
+    link.lease = lambda owner, name, n, done: (asked.append(n), lease(owner, name, n, done))
+    leases = Attachment(link, "e1", lease_batch=256, prefault=False)
+    leases.use(arena.name, arena.layout)
+    assert asked == [FIRST_LEASES] and leases.num_leased == FIRST_LEASES  # an engine that never evicts
+    taken = [leases.take()]  # below half of lease_batch: asks the rest; the store's cap gives 96 more
+    assert asked[-1] == 256 - FIRST_LEASES and leases.num_leased == 128 - 1 and leases.may_hold == 128
+    taken += [leases.take() for _ in range(63)]  # down to 64, half of what it may hold: nothing asked
+    assert len(asked) == 2 and leases.num_leased == 64
+
+    def land(slots):  # the copies done (a slot whose bytes are not that page's is released, as one written is
+        core.commit("e1", [(slot, 10_000 + slot, 0) for slot in slots])  # stored: either way no longer leased)
+
+    land(taken)
+    taken = [leases.take(), leases.take()]  # 63 < 64: asks again, and the cap has room for 64
+    assert asked[-1] == 256 - 63 and leases.num_leased == 126 and leases.may_hold == 127
+    assert None not in taken and core.index.num_leased == leases.num_leased + len(taken) == 128
+    core.close()
+
+
 def test_kv_event_subjects_are_public_with_schemas_and_stable_bytes(tmp_path):
     import json
 

@@ -79,6 +79,9 @@ def test_a_draft_service_only_with_remote_placement():
 def test_kv_store_flags_pass_only_what_was_set():
     store = _children(aggregated=True, hicache=True)["kv_store-0"]
     assert _value(store, "--hicache-ratio") == "2.0" and "--hicache-size" not in store
+    assert _value(store, "--hicache-engines") == "1"
+    # every engine started on the host gets its ratio of pools: 1 prefill + 2 decode workers
+    assert _value(_children(prefill=1, decode=2, hicache=True)["kv_store-0"], "--hicache-engines") == "3"
     assert "--hicache-storage-dir" not in store
     store = _children(aggregated=True, hicache=True, hicache_size=0.5, hicache_storage_dir="/var/l3")["kv_store-0"]
     assert _value(store, "--hicache-size") == "0.5" and _value(store, "--hicache-storage-dir") == "/var/l3"
