@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 
 from services.engine.tier_hooks import CacheTierHooks
 from services.kv_store.copier import CpuCopier, make_copier
-from services.kv_store.leases import Attachment
+from services.kv_store.leases import LEASE_BATCH, Attachment
 from services.kv_store.mirror import LookupMirror
 from services.kv_store.policies import make_write_policy
 
@@ -68,7 +68,7 @@ class HostTierClient(CacheTierHooks):
     is_tier = True
 
     def __init__(self, link, *, owner: str, model: str = "", write_policy: str = "write_back",
-                 selective_hits: int = 2, min_load_pages: int = 1, lease_batch: int = 256, prefault: bool = True):
+                 selective_hits: int = 2, min_load_pages: int = 1, lease_batch: int = LEASE_BATCH, prefault: bool = True):
         self.link, self.owner, self.model = link, owner, model
         self.policy = make_write_policy(write_policy, selective_hits)
         self.min_load_pages = max(1, min_load_pages)

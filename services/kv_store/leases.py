@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 
 FIRST_LEASES = 32
 """Slots asked at attach, before the engine has written back anything."""
+LEASE_BATCH = 256
+"""Most slots an engine asks to hold; the store's own cap (``KVStoreConfig.max_lease``, 1/8 of the
+arena) is usually lower, and a short reply teaches the engine where it is."""
 
 
 class Attachment:
     """The arena this engine maps (None until attached) and its leased slots."""
 
-    def __init__(self, link, owner: str, *, lease_batch: int = 256, prefault: bool = True,
+    def __init__(self, link, owner: str, *, lease_batch: int = LEASE_BATCH, prefault: bool = True,
                  on_switch: Callable[[Arena], None] = lambda arena: None):
         self.link, self.owner = link, owner
         self.lease_batch = max(1, lease_batch)
@@ -91,7 +94,7 @@ class Attachment:
             if slots is None or self.arena is None or self.arena.name != arena_name:
                 return  # no answer (the link reports why), or an arena replaced meanwhile
             self.leased.extend(slots)
-            if upto is None:  # fewer than asked: the store's cap on this engine (or a full arena) is here
+            if upto is None:  # a short reply: the store's cap on this engine (or a full arena) is here
                 self.may_hold = self.lease_batch if len(slots) >= asked else len(self.leased)
 
         self.link.lease(self.owner, arena_name, asked, got)

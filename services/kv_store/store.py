@@ -102,9 +102,9 @@ class StoreCore:
             raise InvalidArgument("page_bytes and page_size must be > 0")
         size = int(cfg.hicache_size * GB) if cfg.hicache_size is not None else self._ratio_size(pool_bytes, page_bytes)
         layout = ArenaLayout(max(1, size // page_bytes), page_bytes, page_size)
-        self.sizing_pool_bytes = pool_bytes
         check_size(layout.total_bytes, cfg.memory_reserve)
         self.arena = Arena.create(layout, tag=str(os.getpid()))
+        self.sizing_pool_bytes = pool_bytes
         self.index = SlotIndex(layout.num_slots)
         self.layout_key = layout_key
         if cfg.hicache_storage_dir:

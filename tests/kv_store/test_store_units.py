@@ -244,13 +244,16 @@ def test_an_engine_leases_a_few_slots_at_attach_then_up_to_the_stores_cap():
     from services.kv_store.leases import FIRST_LEASES, Attachment
     from services.kv_store.links import LocalLink
 
+    class CountingLink(LocalLink):
+        def lease(self, owner, arena_name, n, done):
+            asked.append(n)
+            super().lease(owner, arena_name, n, done)
+
     # 1024 slots, at most 1/8 of them leased to one engine at a time (leased, or taken and not committed)
     core = StoreCore(KVStoreConfig(hicache_size=1024 * PB / 1024**3, memory_reserve=0.0, lease_share=1 / 8))
     arena = core.attach("e1", "model-a", PB, PS, 64 * PB)
-    link, asked = LocalLink(core), []
-    lease = link.lease
-    link.lease = lambda owner, name, n, done: (asked.append(n), lease(owner, name, n, done))
-    leases = Attachment(link, "e1", lease_batch=256, prefault=False)
+    asked: list[int] = []
+    leases = Attachment(CountingLink(core), "e1", lease_batch=256, prefault=False)
     leases.use(arena.name, arena.layout)
     assert asked == [FIRST_LEASES] and leases.num_leased == FIRST_LEASES  # an engine that never evicts
     taken = [leases.take()]  # below half of lease_batch: asks the rest; the store's cap gives 96 more
@@ -258,10 +261,9 @@ def test_an_engine_leases_a_few_slots_at_attach_then_up_to_the_stores_cap():
     taken += [leases.take() for _ in range(63)]  # down to 64, half of what it may hold: nothing asked
     assert len(asked) == 2 and leases.num_leased == 64
 
-    def land(slots):  # the copies done (a slot whose bytes are not that page's is released, as one written is
-        core.commit("e1", [(slot, 10_000 + slot, 0) for slot in slots])  # stored: either way no longer leased)
-
-    land(taken)
+    # the copies land: a committed slot is no longer leased (one whose bytes are not the page's, as
+    # here, is released; one written is stored)
+    core.commit("e1", [(slot, 10_000 + slot, 0) for slot in taken])
     taken = [leases.take(), leases.take()]  # 63 < 64: asks again, and the cap has room for 64
     assert asked[-1] == 256 - 63 and leases.num_leased == 126 and leases.may_hold == 127
     assert None not in taken and core.index.num_leased == leases.num_leased + len(taken) == 128
